@@ -1,0 +1,32 @@
+"""flexicache_hf: FlexiCache's stability-aware hierarchical KV cache for HuggingFace transformers.
+
+Importing the package registers ``attn_implementation="flexicache"`` (attention and mask functions)
+with transformers' public ``AttentionInterface`` / ``AttentionMaskInterface``.
+"""
+
+from .attention import register as _register
+from .cache import CacheStats, FlexiCache, FlexiCacheLayer, PagedKV, UnsupportedModelError
+from .config import ConfigError, FlexiCacheConfig
+from .head_profile import HeadProfile, ModelIdentity, ProfileError, resolve_profile
+from .rerank import RerankEvent, SelectionObserver
+from .tiers import HostMemoryError
+
+_register()
+
+__all__ = [
+    "CacheStats",
+    "ConfigError",
+    "FlexiCache",
+    "FlexiCacheConfig",
+    "FlexiCacheLayer",
+    "HeadProfile",
+    "HostMemoryError",
+    "ModelIdentity",
+    "PagedKV",
+    "ProfileError",
+    "RerankEvent",
+    "SelectionObserver",
+    "UnsupportedModelError",
+    "resolve_profile",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,461 @@
+"""``FlexiCache(Cache)`` and its per-layer storage, the HF-facing side of FlexiCache.
+
+``update`` owns *storage*: it appends a layer's new keys/values to paged per-(layer, KV head) storage —
+device pages for unstable heads, pinned host pages plus top-K device slots for stable heads — and returns
+a :class:`PagedKV` handle.  transformers passes that handle, as the "key" and "value" arguments, straight to
+the registered ``"flexicache"`` attention function (:mod:`flexicache_hf.attention`), which calls
+:meth:`FlexiCacheLayer.attend`: the *compute* side (dense causal attention for prompt chunks, top-K
+selection + sparse paged decode for single-token steps).  The handle is the only channel between the
+two: no globals, no thread-locals, no patched model code, so any number of caches and models can be alive
+in any number of threads.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .config import FlexiCacheConfig
+from .kernels import KernelOps, ops_for
+from .pages import PagePool, PoolLayout, grown_capacity, num_pages
+from .head_profile import HeadProfile, ProfileError, resolve_profile
+from .rerank import RerankEvent, Reranker, SelectionObserver
+from .tiers import CopyStream, HostTier, SlotTable, copy_context, load_promoted, offload_page
+
+
+class UnsupportedModelError(ValueError):
+    """The model's attention layout cannot be served by FlexiCache (e.g. sliding-window layers)."""
+
+
+@dataclass(frozen=True, eq=False)
+class PagedKV:
+    """What ``FlexiCache.update`` hands to the attention function in place of key/value tensors.
+
+    ``keys``/``values`` are this forward's new states ``[B, H, T, D]`` at positions ``start .. start+T-1``;
+    everything older lives in ``layer``'s pages.  Any torch operation on a handle (i.e. a non-FlexiCache
+    attention function receiving it) fails with an explanation instead of computing garbage.
+    """
+
+    layer: "FlexiCacheLayer"
+    keys: torch.Tensor
+    values: torch.Tensor
+    start: int
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        raise TypeError(_WRONG_ATTENTION)
+
+    def __getattr__(self, name):  # only reached for attributes a handle lacks (e.g. `.shape`)
+        raise TypeError(f"{_WRONG_ATTENTION} (an attention function asked the handle for `{name}`)")
+
+
+_WRONG_ATTENTION = (
+    "FlexiCache stores paged KV that only the 'flexicache' attention can read: load the model with "
+    "attn_implementation='flexicache' (after `import flexicache_hf`) or pass a DynamicCache instead"
+)
+
+
+@dataclass
+class CacheStats:
+    """Counters of one cache's life (device tensors are summed lazily: reading them synchronises)."""
+
+    decode_steps: int = 0
+    prompt_tokens: int = 0
+    pages_attended: int = 0  # sum over decode steps, layers, rows and KV heads of listed pages
+    head_reranks: int = 0  # (layer, KV head) re-rank events
+    head_steps: int = 0  # (layer, KV head) decode steps
+    promoted: list = field(default_factory=list)  # device scalars: pages loaded from the host tier
+    offloaded_pages: int = 0  # pages written to the host tier during decode (per row/head)
+
+    def promoted_pages(self) -> int:
+        return int(sum(int(p) for p in self.promoted))
+
+
+class FlexiCacheLayer(CacheLayerMixin):
+    """Paged KV of one decoder layer (see the module docstring for the life of a step)."""
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(self, layer_idx: int, unstable: tuple[int, ...], config: FlexiCacheConfig, owner: "FlexiCache"):
+        super().__init__()
+        self.layer_idx, self.unstable, self.config, self.owner = layer_idx, unstable, config, owner
+        self.seq_len = 0
+
+    # ---- storage -------------------------------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        B, H, _, D = key_states.shape
+        ident = self.owner.profile.model
+        if (H, D) != (ident.num_kv_heads, ident.head_dim):
+            raise ProfileError(
+                f"layer {self.layer_idx} has {H} KV heads of dim {D}, but the profile was made for "
+                f"{ident.num_kv_heads} KV heads of dim {ident.head_dim} ({ident.name or ident.model_type}); "
+                "profile this model with `python -m flexicache_hf.head_profile`"
+            )
+        cfg = self.config
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.batch, self.num_kv_heads, self.head_dim = B, H, D
+        self.ops: KernelOps = ops_for(self.device, prefer=self.owner.kernels)
+        stable = tuple(h for h in range(H) if h not in set(self.unstable))
+        slot_heads = stable if cfg.offload else ()
+        full_heads = tuple(h for h in range(H) if h not in set(slot_heads))
+        as_index = lambda hs: torch.tensor(hs, dtype=torch.long, device=self.device)  # noqa: E731
+        self.slot_heads, self.full_heads = as_index(slot_heads), as_index(full_heads)
+        layout = PoolLayout(B, len(slot_heads), 0, len(full_heads), 0)  # sized by the first update
+        self.pool = PagePool(layout, self.full_heads, self.slot_heads, H, cfg.page_size, D, self.dtype, self.device)
+        self.host = HostTier(B, len(slot_heads), cfg.page_size, D, self.dtype, self.device,
+                             cfg.host_memory_limit, self.owner.host_bytes)
+        self.slots = SlotTable(self.pool, self.device)
+        self.reranker = Reranker(B, H, self.unstable, cfg.budget_pages, cfg.rerank_interval,
+                                 cfg.max_recent_pages, self.device)
+        self.kmin = torch.empty((B, H, 0, D), dtype=self.dtype, device=self.device)
+        self.kmax = torch.empty_like(self.kmin)
+        self.valid_lo = torch.zeros(B, dtype=torch.long, device=self.device)
+        self.copies = CopyStream(self.device)
+        self.tail_phys = None  # [B, slot_heads] physical page of the newest page of offloaded heads
+        self.seq_len = 0
+        self.is_initialized = True
+
+    @property
+    def page_capacity(self) -> int:
+        return self.pool.layout.page_capacity
+
+    def _ensure_capacity(self, end: int) -> None:
+        need = num_pages(end, self.config.page_size)
+        cap = grown_capacity(need, self.page_capacity)
+        if cap == self.page_capacity:
+            return
+        self.host.grow(cap)  # first: it is the one that may refuse (host memory), before anything changes
+        # Offloaded heads never need more slots than pages exist, so short contexts do not pay for the budget.
+        slots = min(self.config.resident_slots, cap) if self.slot_heads.numel() else 0
+        self.pool.grow(cap, slots)
+        self.slots.relayout(self.pool)
+        if self.tail_phys is not None:
+            self.tail_phys = self.slots.phys_of((self.seq_len - 1) // self.config.page_size)
+        B, H, old, D = self.kmin.shape
+        pad = (B, H, cap - old, D)
+        self.kmin = torch.cat([self.kmin, self.kmin.new_full(pad, float("inf"))], dim=2)
+        self.kmax = torch.cat([self.kmax, self.kmax.new_full(pad, float("-inf"))], dim=2)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append ``[B, H, T, D]`` states; returns ``(handle, handle)`` for the attention function."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if key_states.shape[0] != self.batch:
+            raise ValueError(
+                f"FlexiCache was filled with batch size {self.batch} and now receives {key_states.shape[0]}; "
+                "use a fresh FlexiCache per batch (or batch_select_indices / batch_repeat_interleave)"
+            )
+        limit = self.owner.max_positions
+        start, T = self.seq_len, key_states.shape[2]
+        end = start + T
+        if limit is not None and end > limit:
+            raise ValueError(f"{end} tokens exceed the model's context of {limit} positions (max_position_embeddings)")
+        self._ensure_capacity(end)
+        if self.full_heads.numel():
+            self.pool.full_tokens("k")[:, :, start:end] = key_states[:, self.full_heads]
+            self.pool.full_tokens("v")[:, :, start:end] = value_states[:, self.full_heads]
+        if self.slot_heads.numel():
+            k, v = key_states[:, self.slot_heads], value_states[:, self.slot_heads]
+            if T == 1:
+                self._append_decode_token(k, v, start)
+            else:
+                self._append_chunk(k, v, start)
+        self.seq_len = end
+        handle = PagedKV(self, key_states, value_states, start)
+        return handle, handle
+
+    def _append_decode_token(self, k: torch.Tensor, v: torch.Tensor, pos: int) -> None:
+        """One token of the offloaded heads goes to their newest device page; a full page goes to the host."""
+        ps = self.config.page_size
+        page, off = divmod(pos, ps)
+        if off == 0:
+            self.tail_phys = self.slots.place_new_page(page)
+        phys = self.tail_phys.reshape(-1)
+        self.pool.k[phys, off] = k.reshape(-1, self.head_dim)
+        self.pool.v[phys, off] = v.reshape(-1, self.head_dim)
+        if off == ps - 1:
+            with copy_context(self.copies):
+                offload_page(self.ops, self.pool, self.host, page, self.tail_phys)
+            self.owner.stats.offloaded_pages += self.batch * self.slot_heads.numel()
+
+    def _append_chunk(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        """A prompt chunk of the offloaded heads goes whole to the host; the device keeps the newest page.
+
+        The next decode step re-ranks every head (step 0), which loads the top-K pages back.
+        """
+        ps = self.config.page_size
+        end = start + k.shape[2]
+        with copy_context(self.copies):
+            if start % ps and self.tail_phys is not None:  # the partial page held only on the device
+                offload_page(self.ops, self.pool, self.host, start // ps, self.tail_phys)
+            self.host.write_tokens(k, v, start)
+            self.slots.clear()
+            newest = (end - 1) // ps
+            self.tail_phys = self.slots.place_new_page(newest)
+            pages = torch.full_like(self.tail_phys, newest)[..., None]
+            load_promoted(self.ops, self.pool, self.host, pages, self.tail_phys[..., None])
+        self.copies.hand_off()
+        self.reranker.step = 0
+
+    # ---- compute -------------------------------------------------------------------------------------
+    def attend(self, handle: PagedKV, query: torch.Tensor, mask2d: torch.Tensor | None, scaling: float) -> torch.Tensor:
+        """Attention output ``[B, T, Hq, D]`` for ``query [B, Hq, T, D]`` (called by the attention function)."""
+        from .attention import dense_attention  # the dense math lives with the attention function
+
+        T = query.shape[2]
+        if T > 1 or handle.start == 0:
+            self._observe_padding(mask2d, handle.start)
+        self.ops.minmax_update(self.kmin, self.kmax, handle.keys, handle.start, self.valid_lo, self.config.page_size)
+        if T > 1 or handle.start == 0:
+            if handle.start == 0:
+                keys, values = handle.keys, handle.values
+            else:
+                prev_k, prev_v = self.gather_tokens(handle.start)
+                keys = torch.cat([prev_k, handle.keys], dim=2)
+                values = torch.cat([prev_v, handle.values], dim=2)
+            self.owner.stats.prompt_tokens += T if self.layer_idx == 0 else 0
+            key_valid = None
+            if bool(self.valid_lo.any()):
+                key_valid = torch.arange(keys.shape[2], device=self.device)[None, :] >= self.valid_lo[:, None]
+            return dense_attention(query, keys, values, key_valid, scaling)
+        return self._decode(query[:, :, 0], scaling)[:, None]
+
+    def _observe_padding(self, mask2d: torch.Tensor | None, start: int) -> None:
+        """Learn each row's left-padding length from the 2D mask of a prompt chunk."""
+        if mask2d is None:
+            lead = torch.zeros(self.batch, dtype=torch.long, device=self.device)
+        else:
+            m = mask2d.to(self.device, torch.bool)
+            lead = (m.long().cumsum(-1) == 0).sum(-1)
+            if not bool((m.sum(-1) == m.shape[-1] - lead).all()):
+                raise ValueError(
+                    "FlexiCache supports left padding only (padding tokens first, as with "
+                    "tokenizer.padding_side='left'); got an attention mask with gaps or right padding"
+                )
+        if start and not torch.equal(lead, self.valid_lo):
+            raise ValueError("a later prompt chunk changed the left padding of rows already in the cache")
+        self.valid_lo = lead
+
+    def _decode(self, q: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Top-K selection + sparse paged decode for one token per row; ``q [B, Hq, D]`` -> ``[B, Hq, D]``."""
+        rr, stats = self.reranker, self.owner.stats
+        n = num_pages(self.seq_len, self.config.page_size)
+        step = rr.step
+        rr.step += 1
+        heads = rr.due_heads(step)
+        stable_now = rr.stable_due(step)
+        if heads is not None:
+            pages, scores = rr.rerank(self.ops, q, self.kmin, self.kmax, heads, n)
+            stats.head_reranks += heads.numel()
+            if self.owner.observer is not None:
+                self.owner.observer.on_rerank(RerankEvent(self.layer_idx, step, heads, pages, scores, n, q))
+        if stable_now:
+            rr.anchor = n - 1
+            if self.slot_heads.numel():
+                with copy_context(self.copies):
+                    pages, phys = self.slots.reseat(rr.selected[:, self.slot_heads])
+                    load_promoted(self.ops, self.pool, self.host, pages, phys)
+                self.copies.hand_off()
+                stats.promoted.append((pages >= 0).sum())
+        attend = rr.attend_list(n, stable_now)
+        stats.head_steps += self.num_kv_heads
+        stats.pages_attended += 0 if not self.owner.count_pages else int((attend >= 0).sum())
+        if self.layer_idx == 0:
+            stats.decode_steps += 1
+        self.last_attended = attend
+        return self.ops.sparse_decode(q, self.pool.k, self.pool.v, self.pool.page_table, attend,
+                                      self.valid_lo, self.seq_len, scaling)
+
+    def gather_tokens(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every stored token ``[B, H, end, D]`` of every head, wherever it lives (exact-attention path)."""
+        B, H, D = self.batch, self.num_kv_heads, self.head_dim
+        keys = torch.empty((B, H, end, D), dtype=self.dtype, device=self.device)
+        values = torch.empty_like(keys)
+        if self.full_heads.numel():
+            keys[:, self.full_heads] = self.pool.full_tokens("k")[:, :, :end]
+            values[:, self.full_heads] = self.pool.full_tokens("v")[:, :, :end]
+        if self.slot_heads.numel():
+            ps = self.config.page_size
+            with copy_context(self.copies):
+                if end % ps and self.tail_phys is not None:  # the newest page is only complete on the device
+                    offload_page(self.ops, self.pool, self.host, end // ps, self.tail_phys)
+            self.copies.hand_off()
+            hk, hv = self.host.read_tokens(end, self.device)
+            keys[:, self.slot_heads], values[:, self.slot_heads] = hk, hv
+        return keys, values
+
+    # ---- HF cache API ----------------------------------------------------------------------------------
+    def get_seq_length(self) -> int:
+        return self.seq_len
+
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        if isinstance(query_length, torch.Tensor):  # older transformers pass cache_position
+            query_length = query_length.shape[0]
+        return self.seq_len + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        for name in ("pool", "host", "slots", "reranker", "kmin", "kmax", "valid_lo", "tail_phys"):
+            self.__dict__.pop(name, None)
+        self.seq_len = 0
+        self.is_initialized = False
+
+    def offload(self):  # transformers' whole-layer offloading does not apply: FlexiCache tiers per head
+        pass
+
+    def prefetch(self):
+        pass
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove == 0:
+            return
+        raise NotImplementedError(
+            "FlexiCache cannot crop (assisted / speculative decoding rolls tokens back): offloaded pages and "
+            "the MinMax cache are append-only. Use DynamicCache for assisted generation."
+        )
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select_rows(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select_rows(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self._select_rows(torch.arange(self.batch, device=self.device).repeat_interleave(repeats))
+
+    def _select_rows(self, index: torch.Tensor) -> None:
+        """Rebuild every per-row structure for rows ``index`` (copies pages; beam search / expansion)."""
+        if not self.is_initialized:
+            return
+        index = index.to(self.device).long()
+        old = self.pool.layout
+        B = index.numel()
+        new = PoolLayout(B, old.num_slot_heads, old.slots, old.num_full_heads, old.page_capacity)
+        pool = PagePool(new, self.full_heads, self.slot_heads, self.num_kv_heads, self.config.page_size,
+                        self.head_dim, self.dtype, self.device)
+        for name in ("k", "v"):
+            src, dst = getattr(self.pool, name), getattr(pool, name)
+            n_slot = old.full_base - 1
+            if n_slot:
+                dst[1 : new.full_base] = src[1 : old.full_base].view(old.batch, -1, *src.shape[1:])[index].flatten(0, 1)
+            dst[new.full_base :] = src[old.full_base :].view(old.batch, -1, *src.shape[1:])[index].flatten(0, 1)
+        self.pool, self.batch = pool, B
+        slot_page = self.slots.slot_page[index]
+        self.slots = SlotTable(pool, self.device)
+        self.slots._set_table(slot_page, self.slots.slot_phys)
+        self.slots.slot_page = slot_page
+        if self.host.k is not None:
+            self.host.k, self.host.v = self.host.k[index.cpu()], self.host.v[index.cpu()]
+            if self.device.type == "cuda":
+                self.host.k, self.host.v = self.host.k.pin_memory(), self.host.v.pin_memory()
+        self.host.batch = B
+        self.kmin, self.kmax, self.valid_lo = self.kmin[index], self.kmax[index], self.valid_lo[index]
+        self.reranker.select_rows(index)
+        if self.tail_phys is not None:
+            self.tail_phys = self.slots.phys_of((self.seq_len - 1) // self.config.page_size)
+
+    # ---- accounting ---------------------------------------------------------------------------------
+    def device_bytes(self) -> int:
+        """Bytes this layer holds on its device: pages (null page and slack included), tables, MinMax."""
+        if not self.is_initialized:
+            return 0
+        return self.pool.nbytes() + self.kmin.nbytes + self.kmax.nbytes + self.reranker.selected.nbytes
+
+    def dense_bytes(self) -> int:
+        """Bytes ``DynamicCache`` would hold for the same tokens."""
+        if not self.is_initialized:
+            return 0
+        elt = torch.finfo(self.dtype).bits // 8
+        return 2 * self.batch * self.num_kv_heads * self.seq_len * self.head_dim * elt
+
+
+class FlexiCache(Cache):
+    """Stability-aware hierarchical KV cache (FlexiCache) for transformers' ``generate``.
+
+    Example::
+
+        import flexicache_hf
+        model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="flexicache")
+        out = model.generate(**inputs, past_key_values=flexicache_hf.FlexiCache("Llama-3.1-8B-Instruct"))
+
+    Args:
+        profile: a :class:`HeadProfile`, a path to a profile JSON, or a model name shipped in ``profiles/``.
+        config: a :class:`FlexiCacheConfig`; or pass its fields as keyword arguments (``token_budget=1024``).
+        model_config: the model's ``PretrainedConfig``; checks the profile and attention layout now instead
+            of at the first forward.
+        observer: a :class:`SelectionObserver` told of every re-rank (the stability profiler uses it).
+        kernels: ``"reference"`` forces the PyTorch reference kernels on any device.
+        count_pages: count attended pages per step in ``stats`` (one host sync per layer and step).
+    """
+
+    def __init__(self, profile: HeadProfile | str | os.PathLike, config: FlexiCacheConfig | None = None, *,
+                 model_config=None, observer: SelectionObserver | None = None, kernels: str | None = None,
+                 count_pages: bool = False, profiles_dir=None, **config_fields):
+        if config is not None and config_fields:
+            raise TypeError("pass either a FlexiCacheConfig or its fields as keywords, not both")
+        self.config = config if config is not None else FlexiCacheConfig(**config_fields)
+        self.profile = resolve_profile(profile, profiles_dir=profiles_dir)
+        if kernels not in (None, "reference"):
+            raise ValueError(f"kernels must be None or 'reference', got {kernels!r}")
+        self.kernels, self.observer, self.count_pages = kernels, observer, count_pages
+        self.stats = CacheStats()
+        self.max_positions = None
+        self._checked_config = None
+        layers = [
+            FlexiCacheLayer(i, self.profile.unstable_heads(i), self.config, self)
+            for i in range(self.profile.model.num_layers)
+        ]
+        super().__init__(layers=layers)
+        if model_config is not None:
+            self.check_model(model_config)
+
+    def check_model(self, model_config) -> None:
+        """Refuse a model this cache cannot serve: another shape than the profile's, or non-full attention."""
+        if model_config is self._checked_config:
+            return
+        self.profile.check_model(model_config)
+        layer_types = getattr(model_config, "layer_types", None) or []
+        odd = sorted({t for t in layer_types if t != "full_attention"})
+        window = getattr(model_config, "sliding_window", None)
+        uses_window = getattr(model_config, "use_sliding_window", True)
+        if odd or (window is not None and uses_window and not layer_types):
+            raise UnsupportedModelError(
+                f"FlexiCache serves full-attention layers only; this model has {odd or ['sliding_window=' + str(window)]}. "
+                "(For checkpoints trained with full attention, e.g. Mistral v0.2+, set config.sliding_window=None.)"
+            )
+        self.max_positions = getattr(model_config, "max_position_embeddings", None)
+        self._checked_config = model_config
+
+    def host_bytes(self) -> int:
+        return sum(layer.host.nbytes() for layer in self.layers if layer.is_initialized)
+
+    def device_bytes(self) -> int:
+        return sum(layer.device_bytes() for layer in self.layers)
+
+    def dense_bytes(self) -> int:
+        return sum(layer.dense_bytes() for layer in self.layers)
+
+    def memory_report(self) -> dict:
+        """Device / host bytes held now, against what ``DynamicCache`` would hold for the same tokens."""
+        dev, dense = self.device_bytes(), self.dense_bytes()
+        return {
+            "tokens": self.get_seq_length(),
+            "device_bytes": dev,
+            "host_bytes": self.host_bytes(),
+            "dense_bytes": dense,
+            "device_saving": 1 - dev / dense if dense else 0.0,
+        }
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"FlexiCache({self.profile.model.name or self.profile.model.model_type}, page_size={c.page_size}, "
+                f"token_budget={c.token_budget}, rerank_interval={c.rerank_interval}, offload={c.offload}, "
+                f"unstable={len(self.profile.unstable)}/{self.profile.model.num_layers * self.profile.model.num_kv_heads})")

@@ -1,0 +1,65 @@
+"""FlexiCache's knobs, validated once, immutable afterwards."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class ConfigError(ValueError):
+    """A FlexiCacheConfig value that cannot work."""
+
+
+@dataclass(frozen=True)
+class FlexiCacheConfig:
+    """Configuration of one :class:`~flexicache_hf.FlexiCache`.
+
+    Args:
+        page_size: tokens per KV page (a power of two; Triton tiles pages whole).
+        token_budget: tokens each KV head attends to per decode step (``token_budget // page_size`` pages,
+            the page holding the newest token included).  Paper default: 2048 (also 1024).
+        rerank_interval: stable heads re-rank their top-K pages every ``rerank_interval`` decode steps
+            (R in the paper; 16).  Unstable heads re-rank every step.
+        offload: keep only the top-K pages of stable heads on the accelerator and every page in (pinned)
+            host memory.  ``False`` keeps every page on the device (sparse compute only, like Quest).
+        host_memory_limit: cap in bytes on the host tier of one cache (``None``: no cap).  Exceeding it
+            raises :class:`~flexicache_hf.tiers.HostMemoryError` before anything is written.
+    """
+
+    page_size: int = 16
+    token_budget: int = 2048
+    rerank_interval: int = 16
+    offload: bool = True
+    host_memory_limit: int | None = None
+
+    def __post_init__(self) -> None:
+        ps = self.page_size
+        if not isinstance(ps, int) or ps < 1 or ps > 256 or ps & (ps - 1):
+            raise ConfigError(f"page_size must be a power of two in [1, 256], got {ps!r}")
+        tb = self.token_budget
+        if not isinstance(tb, int) or tb < 2 * ps or tb % ps:
+            raise ConfigError(
+                f"token_budget must be a multiple of page_size ({ps}) covering at least 2 pages, got {tb!r}"
+            )
+        r = self.rerank_interval
+        if not isinstance(r, int) or r < 1:
+            raise ConfigError(f"rerank_interval must be a positive integer, got {r!r}")
+        if not isinstance(self.offload, bool):
+            raise ConfigError(f"offload must be a bool, got {self.offload!r}")
+        cap = self.host_memory_limit
+        if cap is not None and (not isinstance(cap, int) or cap < 0):
+            raise ConfigError(f"host_memory_limit must be None or a non-negative number of bytes, got {cap!r}")
+
+    @property
+    def budget_pages(self) -> int:
+        """K: pages attended per KV head per decode step."""
+        return self.token_budget // self.page_size
+
+    @property
+    def max_recent_pages(self) -> int:
+        """Pages a stable head can gain between two re-ranks (new pages are attended until re-ranked)."""
+        return -(-self.rerank_interval // self.page_size)
+
+    @property
+    def resident_slots(self) -> int:
+        """Device page slots a stable, offloaded head needs: its top-K plus pages created before the next re-rank."""
+        return self.budget_pages + self.max_recent_pages

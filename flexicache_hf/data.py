@@ -1,0 +1,170 @@
+"""The real-text corpus used for profiling, tests and benchmarks.
+
+Long documents matter: FlexiCache only differs from a full cache once the context
+is longer than the GPU-resident top-K pages.  The corpus is a gzipped JSON-lines
+file of openly licensed documentation (fields id, source, license, title, text),
+kept in the project's shared/ folder beside the repository.
+
+Path override: ``FLEXICACHE_LONGTEXT`` names the corpus file explicitly, for
+machines where shared/ is not beside the checkout.  An empty value counts as unset.
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+CORPUS_ENV = "FLEXICACHE_LONGTEXT"
+_FIELDS = ("id", "source", "license", "title", "text")
+
+
+def _default_corpus() -> Path:
+    repo_root = Path(__file__).resolve().parent.parent
+    return repo_root.parent / "shared" / "data" / "longtext.jsonl.gz"
+
+
+def corpus_path(path: str | os.PathLike | None = None) -> Path:
+    """``path``, else $FLEXICACHE_LONGTEXT, else <repo>/../shared/data/longtext.jsonl.gz."""
+    if path is not None:
+        p = Path(path)
+    elif os.environ.get(CORPUS_ENV):
+        p = Path(os.environ[CORPUS_ENV])
+    else:
+        p = _default_corpus()
+    if not p.is_file():
+        raise FileNotFoundError(
+            f"no text corpus at {p}; pass its path explicitly or set {CORPUS_ENV}, "
+            f"or place it at {_default_corpus()}"
+        )
+    return p
+
+
+@dataclass(frozen=True)
+class Document:
+    id: str
+    source: str
+    license: str
+    title: str
+    text: str
+
+
+@functools.lru_cache(maxsize=4)
+def _load(path: Path) -> tuple[Document, ...]:
+    docs = []
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            bad = [k for k in _FIELDS if not isinstance(rec.get(k), str)]
+            if bad:
+                raise ValueError(f"{path}:{n}: expected string fields {list(_FIELDS)}, missing or not text: {bad}")
+            docs.append(Document(*(rec[k] for k in _FIELDS)))
+    return tuple(docs)
+
+
+def load_documents(path: str | os.PathLike | None = None) -> list[Document]:
+    """All documents in file order (parsed once per resolved path)."""
+    return list(_load(corpus_path(path).resolve()))
+
+
+def documents_by_source(path: str | os.PathLike | None = None) -> dict[str, list[Document]]:
+    """Documents grouped by ``source``, groups and members in file order."""
+    groups: dict[str, list[Document]] = {}
+    for d in load_documents(path):
+        groups.setdefault(d.source, []).append(d)
+    return groups
+
+
+def _ids(x) -> list[int]:
+    # apply_chat_template's return type has moved between transformers releases.
+    if hasattr(x, "keys"):
+        x = x["input_ids"]
+    if hasattr(x, "tolist"):
+        x = x.tolist()
+    if x and isinstance(x[0], list):
+        x = x[0]
+    return list(x)
+
+
+def _encode(tokenizer, text: str, instruction: str, chat: bool) -> list[int]:
+    content = f"{text}\n\n{instruction}" if text else instruction
+    if chat:
+        msgs = [{"role": "user", "content": content}]
+        return _ids(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
+    return _ids(tokenizer(content)["input_ids"])
+
+
+def build_prompt(tokenizer, doc: Document, instruction: str, max_prompt_tokens: int, *, chat: bool = True) -> torch.LongTensor:
+    """Document then instruction as one user turn, the document cut to fit.
+
+    The cut is by tokens, measured on the final templated prompt (re-tokenising
+    a cut can merge tokens differently at the seam, so the count is re-checked
+    rather than computed).  Returns ``[1, T]`` with ``T <= max_prompt_tokens``.
+    """
+    full = _encode(tokenizer, doc.text, instruction, chat)
+    if len(full) <= max_prompt_tokens:
+        return torch.tensor([full], dtype=torch.long)
+    overhead = len(_encode(tokenizer, "", instruction, chat))
+    if overhead > max_prompt_tokens:
+        raise ValueError(
+            f"max_prompt_tokens={max_prompt_tokens} cannot hold even the template and instruction "
+            f"({overhead} tokens); raise the limit or shorten the instruction"
+        )
+    doc_ids = _ids(tokenizer(doc.text, add_special_tokens=False)["input_ids"])
+    k = min(len(doc_ids), max_prompt_tokens - overhead)
+    while True:
+        # A cut inside a multi-byte character decodes to U+FFFD; drop it.
+        text = tokenizer.decode(doc_ids[:k]).rstrip("\ufffd")
+        ids = _encode(tokenizer, text, instruction, chat)
+        if len(ids) <= max_prompt_tokens or k == 0:
+            return torch.tensor([ids], dtype=torch.long)
+        k = max(0, k - max(1, len(ids) - max_prompt_tokens))
+
+
+def long_prompt(tokenizer, n_tokens: int, *, doc_index: int = 0, min_tokens: int | None = None,
+                path: str | os.PathLike | None = None) -> torch.LongTensor:
+    """Plain (untemplated) real text of ``n_tokens`` tokens, shape ``[1, T]``.
+
+    Starts at document ``doc_index`` and, when it is too short, appends the next
+    documents of the same source (wrapping round), so the text stays one kind of
+    prose.  ``T == n_tokens`` unless the whole source is shorter; then the prompt
+    is returned if it has at least ``min_tokens`` (default: ``n_tokens``) tokens,
+    else ValueError.
+    """
+    if n_tokens < 1:
+        raise ValueError(f"n_tokens must be >= 1, found {n_tokens}")
+    need = n_tokens if min_tokens is None else min_tokens
+    if not 1 <= need <= n_tokens:
+        raise ValueError(f"min_tokens must be in [1, n_tokens={n_tokens}], found {min_tokens}")
+    docs = load_documents(path)
+    if not 0 <= doc_index < len(docs):
+        raise ValueError(f"doc_index must be in [0, {len(docs)}), found {doc_index}")
+    first = docs[doc_index]
+    same = [i for i, d in enumerate(docs) if d.source == first.source]
+    at = same.index(doc_index)
+    order = [docs[i] for i in same[at:] + same[:at]]
+    pieces: list[str] = []
+    counted = 0
+    ids: list[int] = []
+    for j, d in enumerate(order):
+        pieces.append(d.text)
+        counted += len(_ids(tokenizer(d.text, add_special_tokens=False)["input_ids"]))
+        # Tokenise the joined text only once the pieces look long enough: cheap,
+        # and the joined tokenisation is what the prompt really is.
+        if counted >= n_tokens or j == len(order) - 1:
+            ids = _ids(tokenizer("\n\n".join(pieces))["input_ids"])
+            if len(ids) >= n_tokens:
+                break
+    if len(ids) < need:
+        raise ValueError(
+            f"source {first.source!r} holds only {len(ids)} tokens, fewer than the {need} asked for; "
+            "pick another doc_index or lower min_tokens"
+        )
+    return torch.tensor([ids[:n_tokens]], dtype=torch.long)

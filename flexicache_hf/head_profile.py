@@ -1,0 +1,425 @@
+"""Per-model head-stability profiles: which KV heads FlexiCache treats as unstable.
+
+FlexiCache keeps every page of an *unstable* KV head on the GPU and offloads the
+cold pages of *stable* heads.  Which heads are unstable is a property of the model
+(the paper measures it once, offline), so a profile is tied to a model shape and is
+checked against the model before use.  Heads are KV heads: under GQA a whole group
+of query heads shares one KV head, and the cache can only be split per KV head.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random as _random
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Iterable, Mapping
+
+FORMAT = "flexicache-head-profile"
+FORMAT_VERSION = 1
+
+Head = tuple[int, int]
+
+
+class ProfileError(ValueError):
+    """A head profile, or the input used to build or find one, is invalid."""
+
+
+def _is_int(x: Any) -> bool:
+    # bool is an int subclass; True as a layer index is always a bug.
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _architecture_for(model_type: str) -> str:
+    # GGUF-loaded configs carry no `architectures`; ask transformers' own table
+    # before guessing, so the name matches what a hub config would report.
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    except ImportError:
+        name = None
+    if name:
+        return name
+    return "".join(p[:1].upper() + p[1:] for p in re.split(r"[_\-]", model_type)) + "ForCausalLM"
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """The attention shape a profile was measured on.
+
+    Only the shape (``same_shape``) decides compatibility; ``architecture`` and
+    ``name`` are informative, because the same weights may be loaded through
+    different classes (a GGUF SmolLM2 reports ``LlamaForCausalLM``).
+    """
+
+    architecture: str
+    model_type: str
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        for key in ("architecture", "model_type"):
+            if not isinstance(getattr(self, key), str):
+                raise ProfileError(f"model.{key} must be a string, found {getattr(self, key)!r}")
+        for key in ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim"):
+            v = getattr(self, key)
+            if not _is_int(v) or v <= 0:
+                raise ProfileError(f"model.{key} must be a positive integer, found {v!r}")
+        if self.num_attention_heads % self.num_kv_heads:
+            raise ProfileError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads}); check the model config"
+            )
+        if self.name is not None and not isinstance(self.name, str):
+            raise ProfileError(f"model.name must be a string or null, found {self.name!r}")
+
+    @classmethod
+    def from_config(cls, config: Any) -> ModelIdentity:
+        """Read the shape from a transformers ``PretrainedConfig`` (or a model)."""
+        config = getattr(config, "config", config)  # accept a model too
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        model_type = getattr(text, "model_type", None) or getattr(config, "model_type", None)
+        layers = getattr(text, "num_hidden_layers", None)
+        heads = getattr(text, "num_attention_heads", None)
+        if not model_type or layers is None or heads is None:
+            raise ProfileError(
+                "expected a transformers decoder config with model_type, num_hidden_layers and "
+                f"num_attention_heads, found {type(config).__name__}; pass model.config"
+            )
+        kv = getattr(text, "num_key_value_heads", None) or heads
+        head_dim = getattr(text, "head_dim", None)
+        if not head_dim:
+            hidden = getattr(text, "hidden_size", None)
+            if hidden is None:
+                raise ProfileError(f"{type(config).__name__} has neither head_dim nor hidden_size")
+            head_dim = hidden // heads
+        archs = getattr(config, "architectures", None)
+        arch = archs[0] if archs else _architecture_for(model_type)
+        name = getattr(config, "name_or_path", None)
+        if name is None:
+            name = getattr(config, "_name_or_path", None)
+        return cls(arch, model_type, layers, heads, kv, head_dim, None if name is None else str(name))
+
+    def same_shape(self, other: ModelIdentity) -> bool:
+        return self._shape() == other._shape()
+
+    def _shape(self) -> tuple:
+        return (self.model_type, self.num_layers, self.num_attention_heads, self.num_kv_heads, self.head_dim)
+
+    def describe(self) -> str:
+        who = f"{self.name} " if self.name else ""
+        return (
+            f"{who}({self.model_type}: {self.num_layers} layers, {self.num_attention_heads} attention "
+            f"heads, {self.num_kv_heads} KV heads, head_dim {self.head_dim})"
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "architecture": self.architecture,
+            "model_type": self.model_type,
+            "num_layers": self.num_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "name": self.name,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any) -> ModelIdentity:
+        if not isinstance(d, dict):
+            raise ProfileError(f"'model' must be a JSON object, found {type(d).__name__}")
+        required = ("architecture", "model_type", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim")
+        missing = [k for k in required if k not in d]
+        if missing:
+            raise ProfileError(f"'model' is missing keys {missing}; expected {list(required) + ['name']}")
+        extra = sorted(set(d) - set(required) - {"name"})
+        if extra:
+            raise ProfileError(f"'model' has unexpected keys {extra}; expected {list(required) + ['name']}")
+        return cls(**{k: d[k] for k in required}, name=d.get("name"))
+
+
+def _identity(model: Any) -> ModelIdentity:
+    return model if isinstance(model, ModelIdentity) else ModelIdentity.from_config(model)
+
+
+def _head(x: Any, what: str) -> Head:
+    if not isinstance(x, (tuple, list)) or len(x) != 2 or not all(_is_int(v) for v in x):
+        raise ProfileError(f"{what} must be a (layer, kv_head) pair of integers, found {x!r}")
+    return (x[0], x[1])
+
+
+@dataclass(frozen=True)
+class HeadProfile:
+    """Which (layer, kv_head) pairs are unstable for one model shape.
+
+    ``scores`` (temporal-stability TS per head, higher = more stable) and
+    ``provenance`` are stored as read-only ``MappingProxyType`` views over private
+    copies, and are left out of ``hash()`` (they still take part in ``==``), so a
+    profile can key a dict while its metadata cannot be changed behind its back.
+    """
+
+    model: ModelIdentity
+    unstable: frozenset[Head]
+    scores: Mapping[Head, float] | None = field(default=None, hash=False)
+    provenance: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    format_version: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, ModelIdentity):
+            raise ProfileError(f"model must be a ModelIdentity, found {type(self.model).__name__}")
+        if not _is_int(self.format_version) or not 1 <= self.format_version <= FORMAT_VERSION:
+            raise ProfileError(f"format_version must be 1..{FORMAT_VERSION}, found {self.format_version!r}")
+        if isinstance(self.unstable, (str, bytes)) or not isinstance(self.unstable, Iterable):
+            raise ProfileError(f"unstable must be a set of (layer, kv_head) pairs, found {self.unstable!r}")
+        heads = frozenset(self._checked(_head(h, "unstable head")) for h in self.unstable)
+        object.__setattr__(self, "unstable", heads)
+        if self.scores is not None:
+            if not isinstance(self.scores, Mapping):
+                raise ProfileError(f"scores must map (layer, kv_head) -> float, found {type(self.scores).__name__}")
+            scores = {}
+            for k, v in self.scores.items():
+                k = self._checked(_head(k, "scores key"))
+                if not _is_number(v) or not math.isfinite(v):
+                    raise ProfileError(f"score of head {k} must be a finite number, found {v!r}")
+                scores[k] = float(v)
+            object.__setattr__(self, "scores", MappingProxyType(scores))
+        if not isinstance(self.provenance, Mapping):
+            raise ProfileError(f"provenance must be a JSON object, found {type(self.provenance).__name__}")
+        try:  # a private deep copy, and proof that it will serialise
+            prov = json.loads(json.dumps(dict(self.provenance), allow_nan=False))
+        except (TypeError, ValueError) as e:
+            raise ProfileError(f"provenance must be JSON-serialisable: {e}") from e
+        object.__setattr__(self, "provenance", MappingProxyType(prov))
+
+    def _checked(self, h: Head) -> Head:
+        m = self.model
+        if not (0 <= h[0] < m.num_layers and 0 <= h[1] < m.num_kv_heads):
+            raise ProfileError(
+                f"head {h} is out of range for {m.describe()}: expected layer in [0, {m.num_layers}) "
+                f"and kv_head in [0, {m.num_kv_heads}); was this profile made for another model?"
+            )
+        return h
+
+    # ---- queries -------------------------------------------------------------
+    def _layer(self, layer: int) -> int:
+        if not _is_int(layer) or not 0 <= layer < self.model.num_layers:
+            raise ProfileError(f"layer must be in [0, {self.model.num_layers}), found {layer!r}")
+        return layer
+
+    def unstable_heads(self, layer: int) -> tuple[int, ...]:
+        self._layer(layer)
+        return tuple(sorted(h for l, h in self.unstable if l == layer))
+
+    def stable_heads(self, layer: int) -> tuple[int, ...]:
+        bad = set(self.unstable_heads(layer))
+        return tuple(h for h in range(self.model.num_kv_heads) if h not in bad)
+
+    def is_unstable(self, layer: int, head: int) -> bool:
+        return self._checked(_head((self._layer(layer), head), "head")) in self.unstable
+
+    @property
+    def unstable_fraction(self) -> float:
+        return len(self.unstable) / (self.model.num_layers * self.model.num_kv_heads)
+
+    def check_model(self, config: Any) -> None:
+        """Raise ProfileError unless ``config`` (or a model / ModelIdentity) has this shape."""
+        other = _identity(config)
+        if not self.model.same_shape(other):
+            raise ProfileError(
+                f"head profile for {self.model.describe()} does not fit the model {other.describe()}; "
+                "use a profile measured on this model, or build one with HeadProfile.random / "
+                "HeadProfile.all_unstable"
+            )
+
+    # ---- serialisation -------------------------------------------------------
+    def to_dict(self) -> dict:
+        scores = None
+        if self.scores is not None:
+            scores = [[l, h, s] for (l, h), s in sorted(self.scores.items())]
+        return {
+            "format": FORMAT,
+            "format_version": self.format_version,
+            "model": self.model.to_dict(),
+            "unstable_heads": [list(h) for h in sorted(self.unstable)],
+            "scores": scores,
+            "provenance": json.loads(json.dumps(dict(self.provenance))),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any) -> HeadProfile:
+        if not isinstance(d, dict):
+            raise ProfileError(f"a head profile must be a JSON object, found {type(d).__name__}")
+        if d.get("format") != FORMAT:
+            raise ProfileError(f"expected 'format': {FORMAT!r}, found {d.get('format')!r}; this is not a head profile")
+        v = d.get("format_version")
+        if not _is_int(v) or v < 1:
+            raise ProfileError(f"expected an integer 'format_version' >= 1, found {v!r}")
+        if v > FORMAT_VERSION:
+            raise ProfileError(
+                f"profile has format_version {v}, this flexicache_hf reads up to {FORMAT_VERSION}; upgrade flexicache_hf"
+            )
+        keys = ("format", "format_version", "model", "unstable_heads", "scores", "provenance")
+        missing = [k for k in keys if k not in d]
+        extra = sorted(set(d) - set(keys))
+        if missing or extra:
+            raise ProfileError(f"expected exactly the keys {list(keys)}; missing {missing}, unexpected {extra}")
+        heads_in = d["unstable_heads"]
+        if not isinstance(heads_in, list):
+            raise ProfileError(f"'unstable_heads' must be a list of [layer, kv_head], found {type(heads_in).__name__}")
+        heads = [_head(h, "unstable_heads entry") for h in heads_in]
+        if len(set(heads)) != len(heads):
+            raise ProfileError("'unstable_heads' lists a head twice; each head must appear once")
+        scores = None
+        if d["scores"] is not None:
+            if not isinstance(d["scores"], list):
+                raise ProfileError(f"'scores' must be null or a list of [layer, kv_head, ts], found {d['scores']!r}")
+            scores = {}
+            for row in d["scores"]:
+                if not isinstance(row, list) or len(row) != 3:
+                    raise ProfileError(f"'scores' entries must be [layer, kv_head, ts], found {row!r}")
+                k = _head(row[:2], "scores entry")
+                if k in scores:
+                    raise ProfileError(f"'scores' lists head {k} twice")
+                scores[k] = row[2]
+        if not isinstance(d["provenance"], dict):
+            raise ProfileError(f"'provenance' must be a JSON object, found {type(d['provenance']).__name__}")
+        return cls(ModelIdentity.from_dict(d["model"]), frozenset(heads), scores, d["provenance"], v)
+
+    def to_json(self) -> str:
+        text = json.dumps(self.to_dict(), indent=2, allow_nan=False)
+        # One [l, h] / [l, h, ts] row per line keeps shipped profiles readable and diffable.
+        num = r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?"
+        row = re.compile(rf"\[\s*({num}),\s*({num})(?:,\s*({num}))?\s*\]")
+        return row.sub(lambda m: "[" + ", ".join(g for g in m.groups() if g is not None) + "]", text) + "\n"
+
+    def save(self, path: str | os.PathLike) -> Path:
+        path = Path(path)
+        path.write_text(self.to_json(), encoding="utf-8")
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> HeadProfile:
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError as e:
+            raise ProfileError(f"no head profile file at {path}; check the path or use a profile name") from e
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ProfileError(f"cannot read head profile {path}: {e}") from e
+        try:
+            return cls.from_dict(data)
+        except ProfileError as e:
+            raise ProfileError(f"{path}: {e}") from None
+
+    # ---- constructors --------------------------------------------------------
+    @classmethod
+    def all_stable(cls, config: Any) -> HeadProfile:
+        return cls(_identity(config), frozenset(), provenance={"kind": "all_stable"})
+
+    @classmethod
+    def all_unstable(cls, config: Any) -> HeadProfile:
+        m = _identity(config)
+        heads = frozenset((l, h) for l in range(m.num_layers) for h in range(m.num_kv_heads))
+        return cls(m, heads, provenance={"kind": "all_unstable"})
+
+    @classmethod
+    def from_unstable(cls, config: Any, heads: Iterable, provenance: Mapping | None = None) -> HeadProfile:
+        return cls(_identity(config), frozenset(_head(h, "head") for h in heads),
+                   provenance=dict(provenance) if provenance is not None else {"kind": "manual"})
+
+    @staticmethod
+    def _count(m: ModelIdentity, fraction: float) -> int:
+        if not _is_number(fraction) or not 0.0 <= fraction <= 1.0:
+            raise ProfileError(f"fraction must be a number in [0, 1], found {fraction!r}")
+        return round(fraction * m.num_layers * m.num_kv_heads)
+
+    @classmethod
+    def random(cls, config: Any, fraction: float = 0.25, seed: int = 0) -> HeadProfile:
+        """A control profile: exactly round(fraction * L * H) heads, chosen by ``seed``."""
+        m = _identity(config)
+        k = cls._count(m, fraction)
+        every = [(l, h) for l in range(m.num_layers) for h in range(m.num_kv_heads)]
+        chosen = _random.Random(seed).sample(every, k)
+        return cls(m, frozenset(chosen), provenance={"kind": "random", "fraction": fraction, "seed": seed})
+
+    @classmethod
+    def from_scores(cls, config: Any, scores: Mapping, fraction: float = 0.25,
+                    provenance: Mapping | None = None) -> HeadProfile:
+        """Mark the ``fraction`` of heads with the lowest TS (least stable) unstable.
+
+        Every head must be scored: an unscored head cannot be ranked.  Ties are
+        broken by (layer, head) so the result never depends on dict order.
+        """
+        m = _identity(config)
+        k = cls._count(m, fraction)
+        if not isinstance(scores, Mapping):
+            raise ProfileError(f"scores must map (layer, kv_head) -> float, found {type(scores).__name__}")
+        clean = {_head(h, "scores key"): v for h, v in scores.items()}
+        missing = {(l, h) for l in range(m.num_layers) for h in range(m.num_kv_heads)} - set(clean)
+        if missing:
+            raise ProfileError(f"scores must cover all {m.num_layers}x{m.num_kv_heads} heads; "
+                               f"{len(missing)} have no score, e.g. {min(missing)}")
+        prov = dict(provenance) if provenance is not None else {"kind": "scores"}
+        prov.setdefault("fraction", fraction)
+        tmp = cls(m, frozenset(), clean, prov)  # validates the scores before ranking them
+        ranked = sorted(tmp.scores.items(), key=lambda kv: (kv[1], kv[0]))
+        return cls(m, frozenset(h for h, _ in ranked[:k]), tmp.scores, prov)
+
+
+# ---- finding shipped profiles ------------------------------------------------
+def _profiles_dir(profiles_dir: str | os.PathLike | None) -> Path:
+    if profiles_dir is not None:
+        return Path(profiles_dir)
+    return Path(__file__).resolve().parent.parent / "profiles"
+
+
+def available_profiles(profiles_dir: str | os.PathLike | None = None) -> dict[str, Path]:
+    """Profile files by stem, e.g. ``{"Llama-3.1-8B-Instruct": Path(...)}``."""
+    d = _profiles_dir(profiles_dir)
+    if not d.is_dir():
+        return {}
+    return {p.stem: p for p in sorted(d.glob("*.json"))}
+
+
+def resolve_profile(spec: Any, *, profiles_dir: str | os.PathLike | None = None) -> HeadProfile:
+    """A HeadProfile from a profile, a JSON path, or a model name.
+
+    A name matches a shipped profile by file stem, by the model name recorded in
+    it (``meta-llama/Llama-3.1-8B-Instruct``) or by that name's last component;
+    case is ignored, as on the hub.  A string naming an existing file is a path.
+    """
+    if isinstance(spec, HeadProfile):
+        return spec
+    if isinstance(spec, os.PathLike):
+        return HeadProfile.load(spec)
+    if not isinstance(spec, str) or not spec:
+        raise ProfileError(f"expected a HeadProfile, a JSON path or a model name, found {spec!r}")
+    if Path(spec).is_file():
+        return HeadProfile.load(spec)
+    found = available_profiles(profiles_dir)
+    names = ", ".join(found) or f"none (no *.json in {_profiles_dir(profiles_dir)})"
+    if spec.endswith(".json"):
+        raise ProfileError(f"no head profile file at {spec}; available profile names: {names}")
+    want = spec.rstrip("/").casefold()
+    want_last = want.rsplit("/", 1)[-1]
+    for stem, path in found.items():
+        if stem.casefold() in (want, want_last):
+            return HeadProfile.load(path)
+    for stem, path in found.items():
+        prof = HeadProfile.load(path)
+        name = (prof.model.name or "").casefold()
+        if name and (want == name or want_last == name.rsplit("/", 1)[-1]):
+            return prof
+    raise ProfileError(f"no head profile named {spec!r}; available profile names: {names} "
+                       "(or pass a path to a profile JSON file)")

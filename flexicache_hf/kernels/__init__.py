@@ -1,0 +1,49 @@
+"""Kernels and the one place that picks a backend for a device.
+
+Every kernel has a plain PyTorch twin in :mod:`flexicache_hf.kernels.reference` (the CPU path and the
+test oracle).  :func:`ops_for` returns the Triton / cuda-python implementations for CUDA tensors and the
+reference everywhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from . import reference
+
+
+@dataclass(frozen=True)
+class KernelOps:
+    """The operations FlexiCache runs per step; signatures are those of :mod:`.reference`."""
+
+    name: str
+    minmax_update: Callable[..., None]
+    page_scores: Callable[..., torch.Tensor]
+    select_pages: Callable[..., torch.Tensor]
+    sparse_decode: Callable[..., torch.Tensor]
+    copy_pages: Callable[..., None]
+
+
+REFERENCE_OPS = KernelOps(
+    name="reference",
+    minmax_update=reference.minmax_update,
+    page_scores=reference.page_scores,
+    select_pages=reference.select_pages,
+    sparse_decode=reference.sparse_decode,
+    copy_pages=reference.copy_pages,
+)
+
+
+def ops_for(device: torch.device, *, prefer: str | None = None) -> KernelOps:
+    """Kernels for tensors on ``device``: Triton on CUDA, the PyTorch reference elsewhere.
+
+    ``prefer="reference"`` forces the reference (used by tests and to compare backends).
+    """
+    if prefer == "reference" or torch.device(device).type != "cuda":
+        return REFERENCE_OPS
+    from .gpu import GPU_OPS  # imported lazily: Triton / cuda-python are only needed on CUDA
+
+    return GPU_OPS

@@ -1,0 +1,171 @@
+"""Plain PyTorch reference for every FlexiCache kernel.
+
+These functions are the CPU path and the oracle the Triton / cuda-python kernels are tested against.
+They define the contract (shapes, dtypes, padding conventions) every backend implements:
+
+* Pages hold ``page_size`` consecutive tokens of one (sequence, KV head).  Logical page ``p`` of a
+  sequence covers token positions ``[p * page_size, (p + 1) * page_size)``.
+* A token position ``t`` of batch row ``b`` is *valid* iff ``valid_lo[b] <= t < seq_len``: rows are
+  left-padded (HF's convention for decoder-only generation), so padding is a prefix.
+* Page lists use ``-1`` for "no page" so every tensor keeps a fixed width (no host syncs).
+* The device page pool is ``[num_physical_pages, page_size, head_dim]``; ``page_table[b, h, p]`` is the
+  physical page of logical page ``p``; physical page 0 is the *null page* (never dereferenced).
+"""
+
+from __future__ import annotations
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+def minmax_update(
+    kmin: torch.Tensor,  # [B, H, P_cap, D] running per-page per-channel key minimum (+inf = empty)
+    kmax: torch.Tensor,  # [B, H, P_cap, D] running per-page per-channel key maximum (-inf = empty)
+    keys: torch.Tensor,  # [B, H, T, D] keys of positions start .. start + T - 1
+    start: int,
+    valid_lo: torch.Tensor,  # [B] first valid (non-padding) position of each row
+    page_size: int,
+) -> None:
+    """Fold new keys into the MinMax cache in place; padding tokens are ignored.
+
+    Pages are folded incrementally (min/max are associative), so a page's entry is exact once it is full
+    and an exact bound of its valid tokens at every point before.
+    """
+    B, H, T, D = keys.shape
+    pos = torch.arange(start, start + T, device=keys.device)
+    valid = pos[None, :] >= valid_lo[:, None]  # [B, T]
+    first_page, last_page = start // page_size, (start + T - 1) // page_size
+    n = last_page - first_page + 1
+    # Scatter into a padded [.., n * page_size, ..] window so every page reduces over a fixed shape.
+    off = start - first_page * page_size
+    k = keys.float()
+    big = torch.finfo(torch.float32).max
+    lo = torch.full((B, H, n * page_size, D), big, device=keys.device)
+    hi = torch.full((B, H, n * page_size, D), -big, device=keys.device)
+    v = valid[:, None, :, None]
+    lo[:, :, off : off + T] = torch.where(v, k, big)
+    hi[:, :, off : off + T] = torch.where(v, k, -big)
+    lo = lo.view(B, H, n, page_size, D).amin(3)
+    hi = hi.view(B, H, n, page_size, D).amax(3)
+    # Pages with no valid token keep +inf/-inf (their sentinel) instead of the finite stand-in.
+    any_valid = hi > -big
+    cur_min = kmin[:, :, first_page : last_page + 1].float()
+    cur_max = kmax[:, :, first_page : last_page + 1].float()
+    kmin[:, :, first_page : last_page + 1] = torch.where(any_valid, torch.minimum(cur_min, lo), cur_min).to(kmin.dtype)
+    kmax[:, :, first_page : last_page + 1] = torch.where(any_valid, torch.maximum(cur_max, hi), cur_max).to(kmax.dtype)
+
+
+def page_scores(
+    query: torch.Tensor,  # [B, Hq, D] the decode step's queries
+    kmin: torch.Tensor,  # [B, H, P_cap, D]
+    kmax: torch.Tensor,  # [B, H, P_cap, D]
+    heads: torch.Tensor,  # [h] int64 KV heads to score
+    num_pages: int,
+) -> torch.Tensor:  # [B, h, num_pages] float32
+    """Quest's upper bound ``sum_i max(q_i * kmin_i, q_i * kmax_i)`` per page, for the given KV heads.
+
+    GQA: every query head of a KV head's group bounds the page on its own and the group keeps the
+    **maximum** bound, so a page any query head may need strongly is ranked high (a sum or mean would let
+    the other heads of the group outvote it).  Pages without a valid token score ``-inf``.
+    """
+    B, Hq, D = query.shape
+    H = kmin.shape[1]
+    group = Hq // H
+    q = query.float().view(B, H, group, D)[:, heads]  # [B, h, G, D]
+    lo = kmin[:, heads, :num_pages].float()  # [B, h, P, D]
+    hi = kmax[:, heads, :num_pages].float()
+    empty = hi[..., 0] == NEG_INF  # [B, h, P]
+    lo = torch.where(empty[..., None], 0.0, lo)
+    hi = torch.where(empty[..., None], 0.0, hi)
+    qe = q[:, :, :, None, :]  # [B, h, G, 1, D]
+    bound = torch.maximum(qe * lo[:, :, None], qe * hi[:, :, None]).sum(-1)  # [B, h, G, P]
+    score = bound.amax(2)
+    return score.masked_fill(empty, NEG_INF)
+
+
+def select_pages(
+    scores: torch.Tensor,  # [B, h, num_pages] float32; -inf = not selectable
+    k: int,
+) -> torch.Tensor:  # [B, h, k] int64, ascending page ids, -1 padded at the end
+    """Top-``k`` pages per (sequence, head), always keeping the last page (the one being appended to).
+
+    When fewer than ``k`` pages are selectable, every selectable page is returned and the rest is ``-1``.
+    """
+    B, h, P = scores.shape
+    s = scores.clone()
+    s[:, :, P - 1] = float("inf")  # the page holding the newest token is always attended
+    kk = min(k, P)
+    val, idx = s.topk(kk, dim=-1)
+    idx = torch.where(val == NEG_INF, torch.full_like(idx, P), idx)  # sort -1s to the end
+    idx = idx.sort(-1).values
+    idx = torch.where(idx == P, torch.full_like(idx, -1), idx)
+    if kk < k:
+        idx = torch.cat([idx, idx.new_full((B, h, k - kk), -1)], dim=-1)
+    return idx
+
+
+def sparse_decode(
+    query: torch.Tensor,  # [B, Hq, D]
+    k_pool: torch.Tensor,  # [N, page_size, D]
+    v_pool: torch.Tensor,  # [N, page_size, D]
+    page_table: torch.Tensor,  # [B, H, P_cap] int32 physical page of each logical page
+    pages: torch.Tensor,  # [B, H, W] int64 logical pages to attend (-1 = none); no duplicates
+    valid_lo: torch.Tensor,  # [B] int64
+    seq_len: int,
+    scale: float,
+) -> torch.Tensor:  # [B, Hq, D] in query dtype
+    """Attention of one decode query per head over only the listed pages of its KV head.
+
+    Softmax runs over exactly the valid tokens of the listed pages; each KV page is read once for all
+    query heads of its group.
+    """
+    B, Hq, D = query.shape
+    H, W = pages.shape[1], pages.shape[2]
+    ps = k_pool.shape[1]
+    group = Hq // H
+    listed = pages >= 0
+    logical = pages.clamp_min(0)
+    phys = page_table.long().gather(2, logical)  # [B, H, W]
+    k = k_pool[phys].float()  # [B, H, W, ps, D]
+    v = v_pool[phys].float()
+    pos = logical[..., None] * ps + torch.arange(ps, device=query.device)  # [B, H, W, ps]
+    ok = listed[..., None] & (pos >= valid_lo[:, None, None, None]) & (pos < seq_len)
+    q = query.float().view(B, H, group, D)
+    logits = torch.einsum("bhgd,bhwtd->bhgwt", q, k) * scale
+    logits = logits.masked_fill(~ok[:, :, None], NEG_INF).reshape(B, H, group, W * ps)
+    p = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a row with no valid token (cannot happen) -> 0
+    v = torch.where(ok[..., None], v, 0.0)  # unwritten slots may hold anything; 0 * NaN would be NaN
+    out = torch.einsum("bhgn,bhnd->bhgd", p, v.reshape(B, H, W * ps, D))
+    return out.reshape(B, Hq, D).to(query.dtype)
+
+
+def copy_pages(
+    dst: torch.Tensor,  # [N_dst, page_size, D]
+    dst_index: torch.Tensor,  # [M] int64 destination pages; -1 = skip
+    src: torch.Tensor,  # [N_src, page_size, D] (may live on another device, e.g. pinned host memory)
+    src_index: torch.Tensor,  # [M] int64 source pages; ignored where dst_index is -1
+) -> None:
+    """Page gather/scatter between tiers: ``dst[dst_index[i]] = src[src_index[i]]`` for listed i."""
+    keep = dst_index >= 0
+    d = dst_index[keep].to(dst.device)
+    s = src_index[keep].to(src.device)
+    dst[d] = src[s].to(dst.device, non_blocking=True)
+
+
+def dense_attention_reference(
+    query: torch.Tensor,  # [B, Hq, D]
+    keys: torch.Tensor,  # [B, H, L, D]
+    values: torch.Tensor,  # [B, H, L, D]
+    valid_lo: torch.Tensor,  # [B]
+    scale: float,
+) -> torch.Tensor:  # [B, Hq, D]
+    """Dense single-query attention over every valid token: what a budget covering all pages must equal."""
+    B, Hq, D = query.shape
+    H, L = keys.shape[1], keys.shape[2]
+    q = query.float().view(B, H, Hq // H, D)
+    logits = torch.einsum("bhgd,bhld->bhgl", q, keys.float()) * scale
+    pos = torch.arange(L, device=query.device)
+    logits = logits.masked_fill((pos[None, :] < valid_lo[:, None])[:, None, None], NEG_INF)
+    out = torch.einsum("bhgl,bhld->bhgd", torch.softmax(logits, -1), values.float())
+    return out.reshape(B, Hq, D).to(query.dtype)

@@ -1,0 +1,36 @@
+"""A text-generation pipeline that gives every generate call its own FlexiCache.
+
+A cache holds one batch's conversation, so one instance shared across a pipeline's prompts would mix
+them up.  Use it through transformers' own factory::
+
+    pipe = pipeline("text-generation", model=model, tokenizer=tok, pipeline_class=FlexiCachePipeline,
+                    flexicache_profile="Llama-3.1-8B-Instruct", flexicache_config=FlexiCacheConfig(token_budget=1024))
+"""
+
+from __future__ import annotations
+
+from transformers import TextGenerationPipeline
+
+from .cache import FlexiCache
+from .config import FlexiCacheConfig
+from .head_profile import resolve_profile
+
+
+class FlexiCachePipeline(TextGenerationPipeline):
+    """``TextGenerationPipeline`` whose every forward (one prompt or one batch) runs on a fresh FlexiCache."""
+
+    def __init__(self, *args, flexicache_profile, flexicache_config: FlexiCacheConfig | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.flexicache_profile = resolve_profile(flexicache_profile)
+        self.flexicache_profile.check_model(self.model.config)
+        self.flexicache_config = flexicache_config or FlexiCacheConfig()
+        self.last_cache: FlexiCache | None = None  # the most recent call's cache, for its stats
+
+    def new_cache(self) -> FlexiCache:
+        return FlexiCache(self.flexicache_profile, self.flexicache_config, model_config=self.model.config)
+
+    def _forward(self, model_inputs, **generate_kwargs):
+        if "past_key_values" in generate_kwargs or "cache" in generate_kwargs:
+            raise ValueError("FlexiCachePipeline makes its own cache per call; do not pass past_key_values")
+        self.last_cache = self.new_cache()
+        return super()._forward(model_inputs, past_key_values=self.last_cache, **generate_kwargs)

@@ -1,0 +1,227 @@
+"""GPU <-> host residency of the offloaded (stable) heads of one layer.
+
+The host tier holds every written token of every offloaded head (pinned memory when the cache lives on
+CUDA, so copies are asynchronous and kernels can read it through UVA).  The device holds, per
+(sequence, offloaded head), a fixed set of slots in the page pool (:mod:`flexicache_hf.pages`):
+
+* ``offload_*`` — device -> host: a prompt chunk once (all of it), then each decode page once, when it fills
+  (the paper's one big offload after prefill and small incremental ones).
+* ``reseat`` — after a re-rank, pages that left the top-K give their slots to newly promoted pages, which
+  are loaded from the host tier (the paper's physical block reuse); nothing else moves.
+
+Copies run on a low-priority side stream on CUDA; the compute stream waits on an event before it reads,
+never on the host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .kernels import KernelOps
+from .pages import NULL_PAGE, PagePool
+
+
+class HostMemoryError(MemoryError):
+    """The host tier cannot grow: over ``FlexiCacheConfig.host_memory_limit`` or pinned allocation failed."""
+
+
+class CopyStream:
+    """A low-priority CUDA stream for tier copies, with event-based hand-off to the compute stream."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        # Priority 0 is the lowest CUDA priority; compute kernels on higher-priority streams overtake copies.
+        self.stream = torch.cuda.Stream(device=device, priority=0) if self.cuda else None
+
+    def __enter__(self):
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+            self._ctx = torch.cuda.stream(self.stream)
+            self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self._ctx.__exit__(*exc)
+        return False
+
+    def hand_off(self) -> None:
+        """Make the compute stream wait for every copy issued so far (no host synchronisation)."""
+        if self.cuda:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+
+
+class HostTier:
+    """Every token of the offloaded heads of one layer, ``[B, heads, page_capacity, page_size, D]``."""
+
+    def __init__(self, batch: int, heads: int, page_size: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, limit_bytes: int | None, used_elsewhere: callable):
+        self.batch, self.heads, self.page_size, self.head_dim = batch, heads, page_size, head_dim
+        self.dtype, self.compute_device = dtype, device
+        self.limit_bytes = limit_bytes
+        self._used_elsewhere = used_elsewhere  # host bytes of the cache's other layers (for the cap)
+        self.page_capacity = 0
+        self.k = self.v = None
+
+    def nbytes(self) -> int:
+        return 0 if self.k is None else self.k.nbytes + self.v.nbytes
+
+    def _alloc(self, page_capacity: int) -> torch.Tensor:
+        shape = (self.batch, self.heads, page_capacity, self.page_size, self.head_dim)
+        # Zeroed: a page loaded while partly written must not carry stale bytes (0 * NaN is NaN).
+        t = torch.zeros(shape, dtype=self.dtype, device="cpu")
+        if self.compute_device.type == "cuda":
+            try:
+                t = t.pin_memory()
+            except RuntimeError as e:  # pinned memory is a finite OS resource
+                raise HostMemoryError(f"pinning {t.nbytes / 2**20:.1f} MiB of host memory failed: {e}") from e
+        return t
+
+    def grow(self, page_capacity: int) -> None:
+        if page_capacity <= self.page_capacity or self.heads == 0:
+            return
+        elt = torch.finfo(self.dtype).bits // 8
+        need = 2 * self.batch * self.heads * page_capacity * self.page_size * self.head_dim * elt
+        if self.limit_bytes is not None and need + self._used_elsewhere() > self.limit_bytes:
+            raise HostMemoryError(
+                f"the host tier would need {(need + self._used_elsewhere()) / 2**20:.1f} MiB, over "
+                f"host_memory_limit={self.limit_bytes / 2**20:.1f} MiB; raise the limit, shorten the prompt, or "
+                "use FlexiCacheConfig(offload=False) to keep every page on the device"
+            )
+        try:
+            k, v = self._alloc(page_capacity), self._alloc(page_capacity)
+        except (RuntimeError, MemoryError) as e:
+            raise HostMemoryError(f"allocating {need / 2**20:.1f} MiB of host memory failed: {e}") from e
+        if self.k is not None:
+            k[:, :, : self.page_capacity].copy_(self.k)
+            v[:, :, : self.page_capacity].copy_(self.v)
+        self.k, self.v, self.page_capacity = k, v, page_capacity
+
+    def pages(self, which: str) -> torch.Tensor:
+        """Flat page view ``[B * heads * page_capacity, page_size, D]``."""
+        t = self.k if which == "k" else self.v
+        return t.view(-1, self.page_size, self.head_dim)
+
+    def page_index(self, pages: torch.Tensor) -> torch.Tensor:
+        """Flat host page index of logical ``pages`` ``[B, heads, n]`` (int64)."""
+        b = torch.arange(self.batch, device=pages.device)[:, None, None]
+        h = torch.arange(self.heads, device=pages.device)[None, :, None]
+        return (b * self.heads + h) * self.page_capacity + pages
+
+    def write_tokens(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
+        """Copy a prompt chunk ``[B, heads, T, D]`` of positions ``start..`` to the host tier."""
+        T = keys.shape[2]
+        for src, dst in ((keys, self.k), (values, self.v)):
+            tokens = dst.view(self.batch, self.heads, -1, self.head_dim)
+            tokens[:, :, start : start + T].copy_(src, non_blocking=True)
+
+    def read_tokens(self, end: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every stored token ``[B, heads, end, D]`` on ``device`` (exact attention over a cached prefix)."""
+        out = []
+        for t in (self.k, self.v):
+            tokens = t.view(self.batch, self.heads, -1, self.head_dim)[:, :, :end]
+            out.append(tokens.to(device, non_blocking=True))
+        return out[0], out[1]
+
+
+class SlotTable:
+    """Which logical page each device slot of each (sequence, offloaded head) holds; ``-1`` = free."""
+
+    def __init__(self, pool: PagePool, device: torch.device):
+        lay = pool.layout
+        self.pool = pool
+        self.slot_page = torch.full((lay.batch, lay.num_slot_heads, lay.slots), -1, dtype=torch.long, device=device)
+        self.slot_phys = lay.slot_ids(device)  # [B, heads, slots]
+
+    def relayout(self, pool: PagePool) -> None:
+        """Follow a re-laid pool (more slots per head): same pages in the same slot numbers."""
+        self.pool = pool
+        lay = pool.layout
+        grow = lay.slots - self.slot_page.shape[-1]
+        if grow:
+            self.slot_page = torch.cat([self.slot_page, self.slot_page.new_full((*self.slot_page.shape[:2], grow), -1)], -1)
+        self.slot_phys = lay.slot_ids(self.slot_page.device)
+        self._set_table(self.slot_page, self.slot_phys)
+
+    def _set_table(self, pages: torch.Tensor, phys: torch.Tensor) -> None:
+        """page_table[b, slot_heads[t], pages[b, t, i]] = phys[b, t, i] where pages >= 0."""
+        table = self.pool.page_table
+        B, nT = pages.shape[:2]
+        cap = table.shape[2]
+        flat = table.view(-1)
+        b = torch.arange(B, device=pages.device)[:, None, None]
+        h = self.pool.slot_heads.to(pages.device)[None, :, None]
+        idx = (b * table.shape[1] + h) * cap + pages.clamp_min(0)
+        ok = pages >= 0
+        flat[idx[ok]] = phys[ok].to(table.dtype)
+
+    def clear(self) -> None:
+        """Forget every slot (their table entries go back to the null page)."""
+        self._set_table(self.slot_page, torch.full_like(self.slot_page, NULL_PAGE))
+        self.slot_page.fill_(-1)
+
+    def place_new_page(self, page: int) -> torch.Tensor:
+        """Give logical ``page`` (just started by a decode token) a free slot in every row/head; returns
+        the physical pages ``[B, heads]``.  A free slot always exists: slots = top-K + pages per interval."""
+        free = self.slot_page < 0
+        first = free.int().argmax(-1, keepdim=True)  # [B, heads, 1]
+        self.slot_page.scatter_(-1, first, page)
+        phys = self.slot_phys.gather(-1, first)
+        self._set_table(torch.full_like(first, page), phys)
+        return phys[..., 0]
+
+    def phys_of(self, page: int) -> torch.Tensor:
+        """Physical pages ``[B, heads]`` holding logical ``page`` (which must be resident)."""
+        hit = (self.slot_page == page).int().argmax(-1, keepdim=True)
+        return self.slot_phys.gather(-1, hit)[..., 0]
+
+    def reseat(self, wanted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Make exactly the pages ``wanted [B, heads, K]`` (-1 padded) resident.
+
+        Evicted pages free their slots, which the promoted (wanted but absent) pages take.  Returns
+        ``(pages, phys)`` ``[B, heads, K]`` of the promoted pages and their slots (-1 where nothing loads),
+        for the caller to fill from the host tier.
+        """
+        sp = self.slot_page
+        keep = (sp[..., :, None] == wanted[..., None, :]).any(-1) & (sp >= 0)  # [B, h, S]
+        present = (wanted[..., :, None] == sp[..., None, :]).any(-1)  # [B, h, K]
+        promote = (wanted >= 0) & ~present
+        evicted = torch.where(keep, torch.full_like(sp, -1), sp)
+        self._set_table(evicted, torch.full_like(evicted, NULL_PAGE))
+        sp = torch.where(keep, sp, torch.full_like(sp, -1))
+        # The r-th promoted page of a row takes the r-th free slot of that row.
+        free_order = torch.sort(keep.int(), dim=-1, stable=True).indices  # free slots first
+        rank = (promote.long().cumsum(-1) - 1).clamp_min(0)  # [B, h, K]
+        slot = free_order.gather(-1, rank.clamp_max(sp.shape[-1] - 1))
+        pages = torch.where(promote, wanted, torch.full_like(wanted, -1))
+        S = sp.shape[-1]
+        # Non-promoted entries write -1 into an extra dummy column, so one scatter needs no masking.
+        sp = torch.cat([sp, sp.new_full((*sp.shape[:2], 1), -1)], dim=-1)
+        sp.scatter_(-1, torch.where(promote, slot, torch.full_like(slot, S)), pages)
+        self.slot_page = sp[..., :S].contiguous()
+        phys = torch.where(promote, self.slot_phys.gather(-1, slot), torch.full_like(slot, -1))
+        self._set_table(pages, phys)
+        return pages, phys
+
+
+def copy_context(stream: CopyStream):
+    """``with`` block running tier copies on the side stream (a no-op context on CPU)."""
+    return stream if stream.cuda else contextlib.nullcontext()
+
+
+def load_promoted(ops: KernelOps, pool: PagePool, host: HostTier, pages: torch.Tensor, phys: torch.Tensor) -> None:
+    """Fill the slots ``phys`` with host pages ``pages`` (both ``[B, heads, K]``, -1 = none)."""
+    src = host.page_index(pages).reshape(-1)
+    dst = phys.reshape(-1)
+    ops.copy_pages(pool.k, dst, host.pages("k"), src)
+    ops.copy_pages(pool.v, dst, host.pages("v"), src)
+
+
+def offload_page(ops: KernelOps, pool: PagePool, host: HostTier, page: int, phys: torch.Tensor) -> None:
+    """Copy the just-filled logical ``page`` of every row/head (in slots ``phys [B, heads]``) to the host."""
+    B, nT = phys.shape
+    dst = host.page_index(torch.full((B, nT, 1), page, dtype=torch.long, device=phys.device)).reshape(-1)
+    ops.copy_pages(host.pages("k"), dst, pool.k, phys.reshape(-1))
+    ops.copy_pages(host.pages("v"), dst, pool.v, phys.reshape(-1))

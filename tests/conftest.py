@@ -1,0 +1,47 @@
+import copy
+import warnings
+
+import pytest
+import torch
+
+import flexicache_hf  # noqa: F401  (registers attn_implementation="flexicache")
+
+# transformers >= 5.2x renames generate's `past_key_values` to `cache`; the old name still works everywhere
+# we support (>= 5.17), so the deprecation notice is noise in tests.
+warnings.filterwarnings("ignore", message=".*past_key_values.*is deprecated.*", category=FutureWarning)
+
+
+def tiny_config(kind: str, *, heads: int, kv_heads: int, layers: int = 2, head_dim: int = 16, max_pos: int = 1024):
+    """A tiny random decoder config of the given family (full attention)."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(vocab_size=97, hidden_size=heads * head_dim, intermediate_size=64, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_pos,
+                  head_dim=head_dim, pad_token_id=0, eos_token_id=96, bos_token_id=1)
+    if kind == "llama":
+        return LlamaConfig(**common)
+    if kind == "mistral":
+        return MistralConfig(**common, sliding_window=None)
+    if kind == "qwen2":
+        return Qwen2Config(**common, use_sliding_window=False)
+    raise ValueError(kind)
+
+
+def twin_models(config, seed: int = 0):
+    """The same random weights loaded twice: with 'flexicache' and with 'sdpa' attention (fp32, eval)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    fc = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="flexicache").eval()
+    dense = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa").eval()
+    dense.load_state_dict(fc.state_dict())
+    return fc, dense
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The embedded SmolLM2-135M-Instruct (loaded once per test session; ~30 s on 2 cores)."""
+    from flexicache_hf.models import load_default_model
+
+    model, tok = load_default_model(attn_implementation="flexicache")
+    return model, tok

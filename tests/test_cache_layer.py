@@ -1,0 +1,150 @@
+"""One FlexiCache layer driven directly with random states, checked step by step against naive references."""
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from flexicache_hf import FlexiCache, HeadProfile
+from flexicache_hf.attention import dense_attention
+from flexicache_hf.kernels import reference
+from flexicache_hf.pages import NULL_PAGE
+from flexicache_hf.rerank import SelectionObserver
+
+
+class Recorder(SelectionObserver):
+    def __init__(self):
+        self.events = []
+
+    def on_rerank(self, event):
+        self.events.append(event)
+
+
+def naive_minmax(keys, valid_lo, num_pages, ps):
+    """Per-page min/max of the valid tokens of a full key history [B, H, L, D] (+inf/-inf when none)."""
+    B, H, L, D = keys.shape
+    pad = num_pages * ps - L
+    pos = torch.arange(num_pages * ps)
+    valid = (pos[None, :] >= valid_lo[:, None]) & (pos[None, :] < L)
+    k = torch.nn.functional.pad(keys, (0, 0, 0, pad))
+    v = valid[:, None, :, None]
+    lo = torch.where(v, k, float("inf")).view(B, H, num_pages, ps, D).amin(3)
+    hi = torch.where(v, k, float("-inf")).view(B, H, num_pages, ps, D).amax(3)
+    return lo, hi
+
+
+def naive_sparse(q, keys, values, pages, valid_lo, ps, scale):
+    """Softmax over exactly the valid tokens of the listed pages, from the full history."""
+    B, Hq, D = q.shape
+    H, L = keys.shape[1], keys.shape[2]
+    g = Hq // H
+    out = torch.zeros(B, Hq, D)
+    for b in range(B):
+        for h in range(H):
+            toks = [p * ps + i for p in pages[b, h].tolist() if p >= 0 for i in range(ps)]
+            toks = [t for t in toks if valid_lo[b] <= t < L]
+            kk, vv = keys[b, h, toks], values[b, h, toks]
+            for j in range(g):
+                w = torch.softmax((kk @ q[b, h * g + j]) * scale, -1)
+                out[b, h * g + j] = w @ vv
+    return out
+
+
+def drive(profile, *, B, H, G, D, prompt, steps, ps, budget, R, offload, valid_lo, seed=0):
+    """Prefill `prompt` random tokens then `steps` decode steps; check every output and selection."""
+    torch.manual_seed(seed)
+    rec = Recorder()
+    cache = FlexiCache(profile, page_size=ps, token_budget=budget, rerank_interval=R, offload=offload,
+                       observer=rec, kernels="reference")
+    layer = cache.layers[0]
+    scale = D**-0.5
+    keys = torch.randn(B, H, prompt, D)
+    values = torch.randn(B, H, prompt, D)
+    q = torch.randn(B, H * G, prompt, D)
+    handle, _ = cache.update(keys, values, 0)
+    pos = torch.arange(prompt)
+    mask2d = pos[None, :] >= valid_lo[:, None]
+    out = layer.attend(handle, q, mask2d if bool(valid_lo.any()) else None, scale)
+    valid = pos[None, :] >= valid_lo[:, None]
+    want = dense_attention(q, keys, values, valid if bool(valid_lo.any()) else None, scale)
+    rows = valid.T[:, :, None, None].transpose(0, 1)  # compare only non-padding query rows
+    torch.testing.assert_close(out * rows, want * rows, atol=1e-5, rtol=1e-5)
+
+    K = budget // ps
+    history = []
+    for step in range(steps):
+        k1, v1, q1 = torch.randn(B, H, 1, D), torch.randn(B, H, 1, D), torch.randn(B, H * G, 1, D)
+        keys, values = torch.cat([keys, k1], 2), torch.cat([values, v1], 2)
+        n_events = len(rec.events)
+        handle, _ = cache.update(k1, v1, 0)
+        out = layer.attend(handle, q1, None, scale)[:, 0]
+        L = keys.shape[2]
+        n = -(-L // ps)
+        attended = layer.last_attended
+        # 1. output equals dense softmax over exactly the attended pages, gathered from the full history
+        torch.testing.assert_close(out, naive_sparse(q1[:, :, 0], keys, values, attended, valid_lo, ps, scale),
+                                   atol=1e-5, rtol=1e-5)
+        # 2. the re-ranked heads selected the reference top-K of min/max scores of the full history
+        lo, hi = naive_minmax(keys, valid_lo, n, ps)
+        new_events = rec.events[n_events:]
+        if new_events:
+            ev = new_events[0]
+            ref_scores = reference.page_scores(q1[:, :, 0], lo, hi, ev.heads, n)
+            torch.testing.assert_close(ev.scores, ref_scores, atol=1e-4, rtol=1e-4)
+            assert torch.equal(ev.pages, reference.select_pages(ref_scores, K))
+        history.append((step, [e.heads.tolist() for e in new_events], layer.reranker.selected.clone()))
+        # 3. every attended page of every head is on the device (never the null page)
+        phys = layer.pool.page_table.long().gather(2, attended.clamp_min(0))
+        assert bool(((phys != NULL_PAGE) | (attended < 0)).all())
+    return cache, history
+
+
+@pytest.mark.parametrize("G", [1, 3, 4])
+@pytest.mark.parametrize("offload", [True, False])
+def test_small_budget_steps_match_naive_reference(G, offload):
+    cfg = tiny_config("llama", heads=4 * G, kv_heads=4, layers=1, head_dim=8)
+    profile = HeadProfile.from_unstable(cfg, [(0, 1)])
+    drive(profile, B=2, H=4, G=G, D=8, prompt=45, steps=40, ps=4, budget=16, R=5, offload=offload,
+          valid_lo=torch.tensor([0, 3]))
+
+
+def test_rerank_schedule_is_observable():
+    cfg = tiny_config("llama", heads=4, kv_heads=4, layers=1, head_dim=8)
+    unstable = {1, 2}
+    profile = HeadProfile.from_unstable(cfg, [(0, h) for h in unstable])
+    R = 4
+    cache, history = drive(profile, B=1, H=4, G=1, D=8, prompt=40, steps=17, ps=4, budget=12, R=R,
+                           offload=True, valid_lo=torch.tensor([0]))
+    for step, heads, _ in history:
+        expect = [0, 1, 2, 3] if step % R == 0 else sorted(unstable)
+        assert heads == [expect]
+    # stable heads' selections change only on due steps; unstable ones are re-ranked each step
+    for (s0, _, a), (s1, _, b) in zip(history, history[1:]):
+        if s1 % R:
+            assert torch.equal(a[:, [0, 3]], b[:, [0, 3]])
+    assert cache.layers[0].reranker.reranks.tolist() == [5, 17, 17, 5]
+
+
+def test_all_stable_layer_skips_scoring_between_reranks():
+    cfg = tiny_config("llama", heads=2, kv_heads=2, layers=1, head_dim=8)
+    cache, history = drive(HeadProfile.all_stable(cfg), B=1, H=2, G=1, D=8, prompt=30, steps=9, ps=4,
+                           budget=8, R=4, offload=True, valid_lo=torch.tensor([0]))
+    assert [bool(h) for _, h, _ in history] == [s % 4 == 0 for s in range(9)]
+
+
+def test_full_budget_decode_equals_dense():
+    cfg = tiny_config("llama", heads=6, kv_heads=2, layers=1, head_dim=8)
+    cache, _ = drive(HeadProfile.random(cfg, 0.5, seed=1), B=3, H=2, G=3, D=8, prompt=33, steps=12, ps=4,
+                     budget=64, R=3, offload=True, valid_lo=torch.tensor([0, 5, 2]))
+    assert cache.get_seq_length() == 45
+
+
+def test_offloaded_heads_keep_constant_device_slots():
+    cfg = tiny_config("llama", heads=2, kv_heads=2, layers=1, head_dim=8)
+    profile = HeadProfile.all_stable(cfg)
+    cache, _ = drive(profile, B=1, H=2, G=1, D=8, prompt=200, steps=20, ps=4, budget=16, R=4, offload=True,
+                     valid_lo=torch.tensor([0]))
+    layer = cache.layers[0]
+    assert layer.pool.layout.slots == cache.config.resident_slots  # 4 + 1, not the 55 pages of the context
+    resident = (layer.pool.page_table[:, :, :55] != NULL_PAGE).sum(-1)
+    assert bool((resident <= cache.config.resident_slots).all())
+    assert cache.stats.promoted_pages() > 0

@@ -1,0 +1,169 @@
+"""FlexiCache inside unmodified transformers models: generate, batches, multi-turn, beams, pipelines."""
+
+import pytest
+import torch
+from transformers import DynamicCache, pipeline
+
+from conftest import tiny_config, twin_models
+from flexicache_hf import FlexiCache, FlexiCacheConfig, HeadProfile
+from flexicache_hf.pipeline import FlexiCachePipeline
+
+FULL = dict(page_size=4, token_budget=512, rerank_interval=3)  # covers every page of these prompts
+
+
+def greedy(model, ids, cache, n=24, **kw):
+    return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, past_key_values=cache, **kw)
+
+
+@pytest.mark.parametrize("kind,heads,kv", [("llama", 4, 4), ("mistral", 6, 2), ("qwen2", 8, 2)])
+@pytest.mark.parametrize("prompt_len", [37, 61])
+def test_full_budget_greedy_equals_dense(kind, heads, kv, prompt_len):
+    cfg = tiny_config(kind, heads=heads, kv_heads=kv, layers=3)
+    fc, dense = twin_models(cfg)
+    ids = torch.randint(2, 96, (1, prompt_len))
+    cache = FlexiCache(HeadProfile.random(cfg, 0.25, seed=prompt_len), **FULL)
+    assert torch.equal(greedy(fc, ids, cache), greedy(dense, ids, DynamicCache()))
+    assert cache.get_seq_length() == prompt_len + 23  # the last token is never fed back
+
+
+def test_offload_off_and_all_stable_also_exact():
+    cfg = tiny_config("llama", heads=4, kv_heads=2)
+    fc, dense = twin_models(cfg)
+    ids = torch.randint(2, 96, (1, 29))
+    want = greedy(dense, ids, DynamicCache())
+    for profile in (HeadProfile.all_stable(cfg), HeadProfile.all_unstable(cfg)):
+        for offload in (True, False):
+            cache = FlexiCache(profile, FlexiCacheConfig(**FULL, offload=offload))
+            assert torch.equal(greedy(fc, ids, cache), want)
+
+
+def test_left_padded_batch_matches_rows_alone():
+    cfg = tiny_config("qwen2", heads=8, kv_heads=2)
+    fc, dense = twin_models(cfg)
+    lengths = [23, 31, 17]
+    rows = [torch.randint(2, 96, (1, n)) for n in lengths]
+    L = max(lengths)
+    ids = torch.zeros(3, L, dtype=torch.long)
+    mask = torch.zeros(3, L, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, L - r.shape[1]:] = r[0]
+        mask[i, L - r.shape[1]:] = 1
+    cache = FlexiCache(HeadProfile.random(cfg, 0.25), **FULL)
+    batch = greedy(fc, ids, cache, attention_mask=mask)
+    for i, r in enumerate(rows):
+        alone = greedy(dense, r, DynamicCache())
+        assert torch.equal(batch[i, L:], alone[0, r.shape[1]:]), f"row {i}"
+
+
+def test_small_budget_runs_and_saves_device_memory():
+    cfg = tiny_config("llama", heads=4, kv_heads=4, max_pos=4096)
+    fc, _ = twin_models(cfg)
+    ids = torch.randint(2, 96, (2, 900))
+    cache = FlexiCache(HeadProfile.random(cfg, 0.25), page_size=16, token_budget=64, rerank_interval=4)
+    out = greedy(fc, ids, cache, n=20)
+    assert out.shape == (2, 920)
+    report = cache.memory_report()
+    assert report["device_saving"] > 0.4 and report["host_bytes"] > 0
+    assert cache.stats.decode_steps == 19
+
+
+def test_multi_turn_reuses_cache():
+    cfg = tiny_config("mistral", heads=6, kv_heads=2)
+    fc, dense = twin_models(cfg)
+    turn1 = torch.randint(2, 96, (1, 30))
+    c_fc, c_dense = FlexiCache(HeadProfile.random(cfg, 0.25), **FULL), DynamicCache()
+    a = greedy(fc, turn1, c_fc, n=10)
+    b = greedy(dense, turn1, c_dense, n=10)
+    assert torch.equal(a, b)
+    follow = torch.randint(2, 96, (1, 13))
+    a2 = greedy(fc, torch.cat([a, follow], 1), c_fc, n=10)
+    b2 = greedy(dense, torch.cat([b, follow], 1), c_dense, n=10)
+    assert torch.equal(a2, b2)
+    assert c_fc.get_seq_length() == c_dense.get_seq_length()
+
+
+def test_multi_turn_with_small_budget_and_offload():
+    cfg = tiny_config("llama", heads=4, kv_heads=2)
+    fc, _ = twin_models(cfg)
+    cache = FlexiCache(HeadProfile.all_stable(cfg), page_size=4, token_budget=16, rerank_interval=4)
+    a = greedy(fc, torch.randint(2, 96, (1, 50)), cache, n=9)
+    a2 = greedy(fc, torch.cat([a, torch.randint(2, 96, (1, 21))], 1), cache, n=9)
+    assert cache.get_seq_length() == a2.shape[1] - 1
+
+
+def test_sampling_with_seed_and_num_return_sequences():
+    cfg = tiny_config("llama", heads=4, kv_heads=2)
+    fc, dense = twin_models(cfg)
+    ids = torch.randint(2, 96, (1, 21))
+    kw = dict(max_new_tokens=12, do_sample=True, top_k=20, num_return_sequences=3)
+    torch.manual_seed(7)
+    a = fc.generate(ids, past_key_values=FlexiCache(HeadProfile.random(cfg, 0.25), **FULL), **kw)
+    torch.manual_seed(7)
+    b = dense.generate(ids, past_key_values=DynamicCache(), **kw)
+    assert a.shape[0] == 3 and torch.equal(a, b)
+
+
+def test_beam_search_reorders_cache():
+    cfg = tiny_config("qwen2", heads=4, kv_heads=2)
+    fc, dense = twin_models(cfg)
+    ids = torch.randint(2, 96, (1, 19))
+    kw = dict(max_new_tokens=8, num_beams=3, do_sample=False)
+    a = fc.generate(ids, past_key_values=FlexiCache(HeadProfile.random(cfg, 0.5), **FULL), **kw)
+    b = dense.generate(ids, past_key_values=DynamicCache(), **kw)
+    assert torch.equal(a, b)
+
+
+def test_batch_repeat_interleave_and_select():
+    cfg = tiny_config("llama", heads=4, kv_heads=2)
+    fc, _ = twin_models(cfg)
+    cache = FlexiCache(HeadProfile.all_stable(cfg), page_size=4, token_budget=8, rerank_interval=2)
+    greedy(fc, torch.randint(2, 96, (2, 25)), cache, n=6)
+    before = [layer.gather_tokens(layer.seq_len)[0].clone() for layer in cache.layers]
+    cache.batch_repeat_interleave(2)
+    after = [layer.gather_tokens(layer.seq_len)[0] for layer in cache.layers]
+    for x, y in zip(before, after):
+        assert torch.equal(x.repeat_interleave(2, 0), y)
+    cache.batch_select_indices(torch.tensor([3, 0]))
+    for x, layer in zip(before, cache.layers):
+        assert torch.equal(layer.gather_tokens(layer.seq_len)[0], x[[1, 0]])
+
+
+def test_pipeline_builds_a_fresh_cache_per_call():
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(97)}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="w0", eos_token="w96", padding_side="left")
+    cfg = tiny_config("llama", heads=4, kv_heads=2)
+    fc, dense = twin_models(cfg)
+    profile = HeadProfile.random(cfg, 0.25)
+    pipe = pipeline("text-generation", model=fc, tokenizer=tok, pipeline_class=FlexiCachePipeline,
+                    flexicache_profile=profile, flexicache_config=FlexiCacheConfig(**FULL))
+    ref = pipeline("text-generation", model=dense, tokenizer=tok)
+    prompts = [" ".join(f"w{(7 * i + j) % 90 + 2}" for j in range(n)) for i, n in enumerate([15, 26])]
+    kw = dict(max_new_tokens=8, do_sample=False, return_full_text=False)
+    got = pipe(prompts, **kw)
+    first_cache = pipe.last_cache
+    assert got == ref(prompts, **kw)
+    assert first_cache.get_seq_length() > 0
+    assert pipe(prompts[:1], **kw) == ref(prompts[:1], **kw) and pipe.last_cache is not first_cache
+    with pytest.raises(ValueError, match="makes its own cache"):
+        pipe(prompts[:1], past_key_values=DynamicCache(), **kw)
+
+
+@pytest.mark.slow
+def test_smollm2_full_budget_equals_dense_on_corpus_prompt(smollm2):
+    from flexicache_hf.data import long_prompt
+
+    model, tok = smollm2
+    ids = long_prompt(tok, 1600, doc_index=3)
+    cache = FlexiCache(HeadProfile.random(model.config, 0.25), token_budget=2048)
+    a = greedy(model, ids, cache, n=64)
+    model.config._attn_implementation = "sdpa"
+    try:
+        b = greedy(model, ids, DynamicCache(), n=64)
+    finally:
+        model.config._attn_implementation = "flexicache"
+    assert torch.equal(a, b)
