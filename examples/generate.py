@@ -1,0 +1,38 @@
+"""Generate with FlexiCache on a model you already load with transformers.
+
+    python examples/generate.py                      # the embedded SmolLM2 (CPU is fine)
+    python examples/generate.py --model PATH --profile Llama-3.1-8B-Instruct --device cuda --dtype bfloat16
+"""
+
+import argparse
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import flexicache_hf  # registers attn_implementation="flexicache"
+from flexicache_hf import FlexiCache, FlexiCacheConfig
+from flexicache_hf.data import build_prompt, load_documents
+from flexicache_hf.models import load_default_model
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--model", default=None, help="local HF model folder (default: embedded SmolLM2)")
+ap.add_argument("--profile", default="SmolLM2-135M-Instruct", help="profile name or JSON path")
+ap.add_argument("--device", default="cpu")
+ap.add_argument("--dtype", default="float32")
+ap.add_argument("--budget", type=int, default=1024)
+args = ap.parse_args()
+
+dtype = getattr(torch, args.dtype)
+if args.model is None:
+    model, tok = load_default_model(dtype=dtype, device=args.device)
+else:
+    tok = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="flexicache",
+                                                 local_files_only=True).to(args.device).eval()
+
+doc = load_documents()[0]
+ids = build_prompt(tok, doc, "What are the key points of this document?", 2500).to(args.device)
+cache = FlexiCache(args.profile, FlexiCacheConfig(token_budget=args.budget), model_config=model.config)
+out = model.generate(ids, max_new_tokens=96, do_sample=False, past_key_values=cache)
+print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+print(cache.memory_report())
