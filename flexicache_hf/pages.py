@@ -93,17 +93,26 @@ class PagePool:
         shape = (layout.num_physical, page_size, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.page_table = torch.zeros(
-            (layout.batch, num_kv_heads, layout.page_capacity), dtype=torch.int32, device=device
-        )
+        self._set_table_buffer(torch.zeros((layout.batch, num_kv_heads, layout.page_capacity), dtype=torch.int32,
+                                           device=device))
         self.page_table[:, full_heads] = layout.full_ids(device).int()
+
+    def _set_table_buffer(self, table: torch.Tensor) -> None:
+        # One spare element after the table: scatters send their "no page" entries there, so updating the
+        # table never needs a boolean-mask index (which would synchronise with the host on CUDA).
+        self.table_buffer = torch.cat([table.reshape(-1), table.new_zeros(1)])
+        self.page_table = self.table_buffer[:-1].view(table.shape)
+
+    @property
+    def table_trash_index(self) -> int:
+        return self.table_buffer.numel() - 1
 
     @property
     def device(self) -> torch.device:
         return self.k.device
 
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes + self.page_table.nbytes
+        return self.k.nbytes + self.v.nbytes + self.table_buffer.nbytes
 
     def full_tokens(self, which: str) -> torch.Tensor:
         """[B, full_heads, page_capacity * page_size, D] token view of the resident heads (K or V)."""
@@ -136,5 +145,5 @@ class PagePool:
         table = torch.zeros((new.batch, self.page_table.shape[1], new.page_capacity), dtype=torch.int32, device=dev)
         table[:, :, : old.page_capacity] = self.page_table
         table[:, self.full_heads] = new.full_ids(dev).int()
-        self.page_table = table
+        self._set_table_buffer(table)
         self.layout = new

@@ -42,6 +42,7 @@ class Reranker:
         self.budget_pages, self.interval, self.max_recent = budget_pages, rerank_interval, max_recent
         stable = tuple(h for h in range(num_kv_heads) if h not in set(unstable))
         self.unstable = torch.tensor(unstable, dtype=torch.long, device=device)
+        self.unstable_host = torch.tensor(unstable, dtype=torch.long)  # for host-side counters (no sync)
         self.all_heads = torch.arange(num_kv_heads, device=device)
         self.is_stable = torch.ones(num_kv_heads, dtype=torch.bool, device=device)
         self.is_stable[self.unstable] = False
@@ -67,7 +68,10 @@ class Reranker:
         scores = ops.page_scores(query, kmin, kmax, heads, num_pages)
         pages = ops.select_pages(scores, self.budget_pages)
         self.selected[:, heads] = pages
-        self.reranks[heads.cpu()] += 1
+        if heads.numel() == self.reranks.numel():
+            self.reranks += 1
+        else:
+            self.reranks[self.unstable_host] += 1
         return pages, scores
 
     def attend_list(self, num_pages: int, stable_rerank: bool) -> torch.Tensor:

@@ -150,12 +150,11 @@ class SlotTable:
         table = self.pool.page_table
         B, nT = pages.shape[:2]
         cap = table.shape[2]
-        flat = table.view(-1)
         b = torch.arange(B, device=pages.device)[:, None, None]
         h = self.pool.slot_heads.to(pages.device)[None, :, None]
         idx = (b * table.shape[1] + h) * cap + pages.clamp_min(0)
-        ok = pages >= 0
-        flat[idx[ok]] = phys[ok].to(table.dtype)
+        idx = torch.where(pages >= 0, idx, self.pool.table_trash_index)  # -1 entries land in the spare slot
+        self.pool.table_buffer[idx.reshape(-1)] = phys.reshape(-1).to(table.dtype)
 
     def clear(self) -> None:
         """Forget every slot (their table entries go back to the null page)."""
