@@ -167,3 +167,27 @@ def test_smollm2_full_budget_equals_dense_on_corpus_prompt(smollm2):
     finally:
         model.config._attn_implementation = "flexicache"
     assert torch.equal(a, b)
+
+
+def test_two_caches_two_models_in_threads():
+    """The handle travels with each call: concurrent generations on separate caches do not interfere."""
+    import threading
+
+    cfg_a, cfg_b = tiny_config("llama", heads=4, kv_heads=2), tiny_config("qwen2", heads=8, kv_heads=2)
+    (fa, _), (fb, _) = twin_models(cfg_a, seed=1), twin_models(cfg_b, seed=2)
+    ids_a, ids_b = torch.randint(2, 96, (1, 40)), torch.randint(2, 96, (2, 33))
+    small = dict(page_size=4, token_budget=16, rerank_interval=2)
+    want_a = greedy(fa, ids_a, FlexiCache(HeadProfile.random(cfg_a, 0.25), **small))
+    want_b = greedy(fb, ids_b, FlexiCache(HeadProfile.random(cfg_b, 0.25), **small))
+    got = {}
+
+    def run(name, model, ids, cfg):
+        got[name] = greedy(model, ids, FlexiCache(HeadProfile.random(cfg, 0.25), **small))
+
+    threads = [threading.Thread(target=run, args=("a", fa, ids_a, cfg_a)),
+               threading.Thread(target=run, args=("b", fb, ids_b, cfg_b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert torch.equal(got["a"], want_a) and torch.equal(got["b"], want_b)
