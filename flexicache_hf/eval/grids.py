@@ -1,0 +1,82 @@
+"""The named run configurations (``--config tiny|full``) and the policy grid each one expands to."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from .policies import Policy
+
+ALL_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "variable_tracking",
+             "frequent_words")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    name: str
+    tasks: tuple[str, ...] = ALL_TASKS
+    task_length: int = 800  # prompt tokens of the retrieval tasks: where dense SmolLM2-135M still scores
+    samples: int = 4  # per task
+    budgets: tuple[float, ...] = (1 / 16, 1 / 8, 1 / 4)  # fractions of each task prompt
+    families: tuple[str, ...] = ("flexicache", "quest", "streaming", "snapkv", "lserve")
+    sweep_budget: float = 1 / 8  # where FlexiCache's R and unstable-fraction sweeps run
+    rerank_intervals: tuple[int, ...] = (8, 16, 32)
+    unstable_fractions: tuple[float, ...] = (0.0, 0.25, 0.5)
+    reach_lengths: tuple[int, ...] = (400, 800, 1600, 3200)  # dense niah_single accuracy curve
+    reach_samples: int = 4
+    fidelity_docs: int = 1
+    fidelity_prompt: int = 4096
+    fidelity_length: int = 512
+    fidelity_budgets: tuple[int, ...] = (256, 512, 1024, 2048)
+    fidelity_families: tuple[str, ...] = ("flexicache", "quest", "streaming", "snapkv", "lserve")
+    fidelity_free_run: bool = True
+    page_size: int = 16
+    dense_floor: float = 0.1  # tasks where dense scores below this are reported but left out of means
+    seed: int = 0
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def task_policies(self) -> list[Policy]:
+        out = [Policy("dense")]
+        for b in self.budgets:
+            for fam in self.families:
+                out.append(Policy(fam, b) if fam != "flexicache" else Policy(fam, b, 16, 0.25))
+        if "flexicache" in self.families:
+            for r in self.rerank_intervals:
+                for u in self.unstable_fractions:
+                    p = Policy("flexicache", self.sweep_budget, r, u)
+                    if p not in out:
+                        out.append(p)
+        return out
+
+    def fidelity_policies(self) -> list[Policy]:
+        out = [Policy("dense")]
+        for b in self.fidelity_budgets:
+            out += [Policy(f, b) for f in self.fidelity_families]
+        return out
+
+
+def tiny() -> EvalConfig:
+    """CPU-sized (SmolLM2-135M on 2 shared cores, ~10 min): every task and family once, one budget, no sweeps.
+
+    One sample per task: a smoke test of the whole pipeline on the real model, not a measurement.
+    """
+    return EvalConfig(name="tiny", task_length=384, samples=1, budgets=(1 / 4,), sweep_budget=1 / 4,
+                      rerank_intervals=(16,), unstable_fractions=(0.25,), reach_lengths=(256, 512), reach_samples=2,
+                      fidelity_prompt=512, fidelity_length=24, fidelity_budgets=(64,))
+
+
+def full() -> EvalConfig:
+    """The H200 configuration of the brief: budgets 1/16..1/4 of ~800-token tasks, fidelity at 4k-8k."""
+    return EvalConfig(name="full", samples=8, fidelity_docs=2, fidelity_prompt=4096, fidelity_length=512,
+                      reach_lengths=(400, 800, 1200, 2000, 3500), reach_samples=8)
+
+
+def gpu_short() -> EvalConfig:
+    """What fits a few minutes of a shared H200: ``full``'s budgets and families, fewer samples, a smaller
+    sweep, one fidelity document scored teacher-forced only (no free runs)."""
+    return replace(full(), name="gpu-short", samples=2, rerank_intervals=(8, 32), unstable_fractions=(0.0, 0.5),
+                   reach_samples=4, fidelity_docs=1, fidelity_prompt=4096, fidelity_length=256,
+                   fidelity_budgets=(256, 1024), fidelity_free_run=False)
+
+
+def named_configs() -> dict:
+    return {"tiny": tiny, "full": full, "gpu-short": gpu_short}

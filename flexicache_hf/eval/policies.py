@@ -1,0 +1,118 @@
+"""KV-cache policies under evaluation: what a policy is, and the cache it builds for one sample.
+
+Every policy runs on the same model object (``attn_implementation="flexicache"``): FlexiCache caches take
+its paged path, every other cache its exact dense fallback, so differences in score are the cache's alone.
+Budgets are given either in tokens or as a fraction of the sample's context; both become the same token
+count for every policy of a sample (rounded down to whole FlexiCache pages, at least two pages).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import DynamicCache
+
+from ..cache import FlexiCache
+from ..config import FlexiCacheConfig
+from ..head_profile import HeadProfile, ProfileError, resolve_profile
+from .eviction import lserve_cache, snapkv_cache, streaming_cache
+
+FAMILIES = ("dense", "flexicache", "quest", "streaming", "snapkv", "lserve")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """One cell of the grid.  ``budget`` is tokens (int) or a fraction of the context (float < 1)."""
+
+    family: str
+    budget: int | float | None = None
+    rerank_interval: int = 16  # FlexiCache's R; LServe's re-selection interval
+    unstable_fraction: float = 0.25  # FlexiCache only
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ValueError(f"unknown policy family {self.family!r}; choose from {FAMILIES}")
+        if (self.family == "dense") != (self.budget is None):
+            raise ValueError("dense takes no budget; every other policy needs one")
+
+    @property
+    def label(self) -> str:
+        if self.family == "dense":
+            return "dense"
+        b = self.budget
+        budget = f"{b}" if isinstance(b, int) else f"1/{round(1 / b)}"
+        if self.family == "flexicache":
+            return f"flexicache-R{self.rerank_interval}-u{round(100 * self.unstable_fraction)}@{budget}"
+        if self.family == "lserve":
+            return f"lserve-R{self.rerank_interval}@{budget}"
+        return f"{self.family}@{budget}"
+
+    def budget_tokens(self, context: int, page_size: int) -> int:
+        b = self.budget if isinstance(self.budget, int) else int(self.budget * context)
+        return max(2 * page_size, b // page_size * page_size)
+
+
+@dataclass
+class ProfileSource:
+    """Where FlexiCache's unstable heads come from: the model's measured profile if shipped, else random.
+
+    A measured profile with per-head scores gives the requested unstable fraction exactly (the least stable
+    heads); without scores its own set is used whatever the fraction.  ``used`` records what happened, for
+    the report — a random profile is a control, not FlexiCache's claim.
+    """
+
+    model_config: object
+    name: str | None = None
+    seed: int = 0
+    used: dict = field(default_factory=dict)
+
+    def profile(self, fraction: float) -> HeadProfile:
+        if fraction == 0:
+            self.used[fraction] = "all stable"
+            return HeadProfile.all_stable(self.model_config)
+        if fraction == 1:
+            self.used[fraction] = "all unstable"
+            return HeadProfile.all_unstable(self.model_config)
+        measured = None
+        if self.name:
+            try:
+                measured = resolve_profile(self.name)
+                measured.check_model(self.model_config)
+            except ProfileError:
+                measured = None
+        if measured is not None and measured.scores:
+            self.used[fraction] = f"measured {self.name} (scores -> least-stable {fraction:.0%})"
+            return HeadProfile.from_scores(self.model_config, measured.scores, fraction,
+                                           provenance={"kind": "eval", "from": self.name})
+        if measured is not None:
+            self.used[fraction] = f"measured {self.name} (its own set; no scores to re-cut)"
+            return measured
+        self.used[fraction] = f"random (seed {self.seed}): no measured profile for {self.name!r}"
+        return HeadProfile.random(self.model_config, fraction, seed=self.seed)
+
+
+def make_cache(policy: Policy, model_config, context: int, profiles: ProfileSource, *, page_size: int = 16,
+               kernels: str | None = None):
+    """A fresh cache implementing ``policy`` for one sample of ``context`` prompt tokens.
+
+    ``kernels="reference"`` gives FlexiCache its PyTorch reference kernels on any device (same selection
+    semantics; a fallback when a device kernel is unavailable).
+    """
+    if policy.family == "dense":
+        return DynamicCache()
+    budget = policy.budget_tokens(context, page_size)
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    layers = text.num_hidden_layers
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    if policy.family in ("flexicache", "quest"):
+        quest = policy.family == "quest"
+        # Quest: every head re-ranked every step and every page kept on the device.
+        prof = HeadProfile.all_unstable(model_config) if quest else profiles.profile(policy.unstable_fraction)
+        cfg = FlexiCacheConfig(page_size=page_size, token_budget=budget, rerank_interval=policy.rerank_interval,
+                               offload=not quest)
+        return FlexiCache(prof, cfg, model_config=model_config, kernels=kernels)
+    if policy.family == "streaming":
+        return streaming_cache(layers, budget)
+    if policy.family == "snapkv":
+        return snapkv_cache(layers, budget, window=min(32, budget // 2))
+    return lserve_cache(layers, kv_heads, budget, interval=policy.rerank_interval)
