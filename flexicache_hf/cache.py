@@ -94,7 +94,7 @@ class FlexiCacheLayer(CacheLayerMixin):
             raise ProfileError(
                 f"layer {self.layer_idx} has {H} KV heads of dim {D}, but the profile was made for "
                 f"{ident.num_kv_heads} KV heads of dim {ident.head_dim} ({ident.name or ident.model_type}); "
-                "profile this model with `python -m flexicache_hf.head_profile`"
+                "profile this model with `python -m flexicache_hf.profile`"
             )
         cfg = self.config
         self.device, self.dtype = key_states.device, key_states.dtype
