@@ -82,7 +82,8 @@ def documents_by_source(path: str | os.PathLike | None = None) -> dict[str, list
     return groups
 
 
-def _ids(x) -> list[int]:
+def token_ids(x) -> list[int]:
+    """A flat list of token ids from whatever a tokenizer returned (dict, tensor, nested list)."""
     # apply_chat_template's return type has moved between transformers releases.
     if hasattr(x, "keys"):
         x = x["input_ids"]
@@ -97,8 +98,8 @@ def _encode(tokenizer, text: str, instruction: str, chat: bool) -> list[int]:
     content = f"{text}\n\n{instruction}" if text else instruction
     if chat:
         msgs = [{"role": "user", "content": content}]
-        return _ids(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
-    return _ids(tokenizer(content)["input_ids"])
+        return token_ids(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
+    return token_ids(tokenizer(content)["input_ids"])
 
 
 def build_prompt(tokenizer, doc: Document, instruction: str, max_prompt_tokens: int, *, chat: bool = True) -> torch.LongTensor:
@@ -117,7 +118,7 @@ def build_prompt(tokenizer, doc: Document, instruction: str, max_prompt_tokens: 
             f"max_prompt_tokens={max_prompt_tokens} cannot hold even the template and instruction "
             f"({overhead} tokens); raise the limit or shorten the instruction"
         )
-    doc_ids = _ids(tokenizer(doc.text, add_special_tokens=False)["input_ids"])
+    doc_ids = token_ids(tokenizer(doc.text, add_special_tokens=False)["input_ids"])
     k = min(len(doc_ids), max_prompt_tokens - overhead)
     while True:
         # A cut inside a multi-byte character decodes to U+FFFD; drop it.
@@ -155,11 +156,11 @@ def long_prompt(tokenizer, n_tokens: int, *, doc_index: int = 0, min_tokens: int
     ids: list[int] = []
     for j, d in enumerate(order):
         pieces.append(d.text)
-        counted += len(_ids(tokenizer(d.text, add_special_tokens=False)["input_ids"]))
+        counted += len(token_ids(tokenizer(d.text, add_special_tokens=False)["input_ids"]))
         # Tokenise the joined text only once the pieces look long enough: cheap,
         # and the joined tokenisation is what the prompt really is.
         if counted >= n_tokens or j == len(order) - 1:
-            ids = _ids(tokenizer("\n\n".join(pieces))["input_ids"])
+            ids = token_ids(tokenizer("\n\n".join(pieces))["input_ids"])
             if len(ids) >= n_tokens:
                 break
     if len(ids) < need:

@@ -29,6 +29,7 @@ class EvalConfig:
     fidelity_budgets: tuple[int, ...] = (256, 512, 1024, 2048)
     fidelity_families: tuple[str, ...] = ("flexicache", "quest", "streaming", "snapkv", "lserve")
     fidelity_free_run: bool = True
+    fidelity_extra: tuple[Policy, ...] = ()  # policies scored on fidelity beyond the budget x family grid
     page_size: int = 16
     dense_floor: float = 0.1  # tasks where dense scores below this are reported but left out of means
     seed: int = 0
@@ -51,7 +52,7 @@ class EvalConfig:
         out = [Policy("dense")]
         for b in self.fidelity_budgets:
             out += [Policy(f, b) for f in self.fidelity_families]
-        return out
+        return out + [p for p in self.fidelity_extra if p not in out]
 
 
 def tiny() -> EvalConfig:
@@ -78,5 +79,27 @@ def gpu_short() -> EvalConfig:
                    fidelity_budgets=(256, 1024), fidelity_free_run=False)
 
 
+def fidelity_3k() -> EvalConfig:
+    """Generation fidelity only, CPU-sized: a 3k-token document, 128 dense tokens, budgets 256/512/1024 —
+    FlexiCache against Quest-like (same selection, no tiers) and StreamingLLM (permanent eviction)."""
+    return EvalConfig(name="fidelity-3k", tasks=(), reach_lengths=(), fidelity_docs=2, fidelity_prompt=3072,
+                      fidelity_length=128, fidelity_budgets=(256, 512, 1024),
+                      fidelity_families=("flexicache", "quest", "streaming"))
+
+
+def profiles_3k() -> EvalConfig:
+    """Does the measured profile matter?  FlexiCache at budgets 256 and 512 of a 3k-token document with the
+    measured profile, a random profile of the same size, all heads stable, and all heads unstable."""
+    variants = tuple(
+        Policy("flexicache", b, 16, u, kind)
+        for b in (256, 512)
+        for u, kind in ((0.25, "measured"), (0.25, "random"), (0.0, "measured"), (1.0, "measured"))
+    )
+    return EvalConfig(name="profiles-3k", tasks=(), reach_lengths=(), fidelity_docs=2, fidelity_prompt=3072,
+                      fidelity_length=128, fidelity_budgets=(), fidelity_families=(), fidelity_free_run=False,
+                      fidelity_extra=variants)
+
+
 def named_configs() -> dict:
-    return {"tiny": tiny, "full": full, "gpu-short": gpu_short}
+    return {"tiny": tiny, "full": full, "gpu-short": gpu_short, "fidelity-3k": fidelity_3k,
+            "profiles-3k": profiles_3k}

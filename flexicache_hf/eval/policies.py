@@ -28,12 +28,15 @@ class Policy:
     budget: int | float | None = None
     rerank_interval: int = 16  # FlexiCache's R; LServe's re-selection interval
     unstable_fraction: float = 0.25  # FlexiCache only
+    profile: str = "measured"  # FlexiCache only: "measured" (the model's profile) or "random" (a control)
 
     def __post_init__(self):
         if self.family not in FAMILIES:
             raise ValueError(f"unknown policy family {self.family!r}; choose from {FAMILIES}")
         if (self.family == "dense") != (self.budget is None):
             raise ValueError("dense takes no budget; every other policy needs one")
+        if self.profile not in ("measured", "random"):
+            raise ValueError(f"profile must be 'measured' or 'random', got {self.profile!r}")
 
     @property
     def label(self) -> str:
@@ -42,7 +45,8 @@ class Policy:
         b = self.budget
         budget = f"{b}" if isinstance(b, int) else f"1/{round(1 / b)}"
         if self.family == "flexicache":
-            return f"flexicache-R{self.rerank_interval}-u{round(100 * self.unstable_fraction)}@{budget}"
+            tag = "-random" if self.profile == "random" else ""
+            return f"flexicache-R{self.rerank_interval}-u{round(100 * self.unstable_fraction)}{tag}@{budget}"
         if self.family == "lserve":
             return f"lserve-R{self.rerank_interval}@{budget}"
         return f"{self.family}@{budget}"
@@ -66,7 +70,10 @@ class ProfileSource:
     seed: int = 0
     used: dict = field(default_factory=dict)
 
-    def profile(self, fraction: float) -> HeadProfile:
+    def profile(self, fraction: float, kind: str = "measured") -> HeadProfile:
+        if kind == "random" and 0 < fraction < 1:
+            self.used[f"random {fraction}"] = f"random (seed {self.seed}), a control of the same size"
+            return HeadProfile.random(self.model_config, fraction, seed=self.seed)
         if fraction == 0:
             self.used[fraction] = "all stable"
             return HeadProfile.all_stable(self.model_config)
@@ -107,7 +114,7 @@ def make_cache(policy: Policy, model_config, context: int, profiles: ProfileSour
     if policy.family in ("flexicache", "quest"):
         quest = policy.family == "quest"
         # Quest: every head re-ranked every step and every page kept on the device.
-        prof = HeadProfile.all_unstable(model_config) if quest else profiles.profile(policy.unstable_fraction)
+        prof = HeadProfile.all_unstable(model_config) if quest else profiles.profile(policy.unstable_fraction, policy.profile)
         cfg = FlexiCacheConfig(page_size=page_size, token_budget=budget, rerank_interval=policy.rerank_interval,
                                offload=not quest)
         return FlexiCache(prof, cfg, model_config=model_config, kernels=kernels)

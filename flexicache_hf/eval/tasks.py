@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from ..data import documents_by_source
+from ..data import documents_by_source, token_ids
 from .scorers import match_all
 
 HAYSTACK_SOURCE = "GNU coding standards (Debian gnu-standards)"  # handbook-like prose, ~100k tokens
@@ -41,18 +41,8 @@ class TaskSample:
 
 
 # ---- tokenisation ----------------------------------------------------------------------------------
-def _ids(x) -> list[int]:
-    if hasattr(x, "keys"):
-        x = x["input_ids"]
-    if hasattr(x, "tolist"):
-        x = x.tolist()
-    if x and isinstance(x[0], list):
-        x = x[0]
-    return list(x)
-
-
 def encode_text(tokenizer, text: str) -> list[int]:
-    return _ids(tokenizer.encode(text, add_special_tokens=False))
+    return token_ids(tokenizer.encode(text, add_special_tokens=False))
 
 
 def render(tokenizer, context: str, question: str, answer_prefix: str) -> torch.LongTensor:
@@ -62,7 +52,7 @@ def render(tokenizer, context: str, question: str, answer_prefix: str) -> torch.
     """
     user = f"{context}\n\n{question}" if context else question
     if getattr(tokenizer, "chat_template", None):
-        head = _ids(tokenizer.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True,
+        head = token_ids(tokenizer.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True,
                                                   tokenize=True, return_dict=False))
         ids = head + encode_text(tokenizer, answer_prefix)
     else:
