@@ -1,0 +1,33 @@
+"""The CUDA backend: Triton kernels for the per-step math, a cuda-python (NVRTC) kernel for tier copies.
+
+Imported lazily by :func:`flexicache_hf.kernels.ops_for` for CUDA tensors only, so the CPU path never needs
+Triton or cuda-python.  Every op keeps its :mod:`.reference` twin's signature and semantics.
+
+``select_pages`` dispatches to the Triton radix-select kernel: at every benchmark shape it beat
+``torch.topk`` + ``sort`` + padding (the reference) on the H200 -- 7-24 us vs 38-94 us for 8-512 rows of
+625-1875 pages (``docs/benchmarks/decode.md``, ``rerank.json``).  The reference stays the fallback for
+score vectors longer than one program holds (> 32k pages).
+
+``copy_pages`` is the NVRTC kernel of :mod:`.uva_copy`, which itself falls back to torch indexing when
+cuda-python is missing or a tensor is not addressable from the device (pageable host memory).
+"""
+
+from __future__ import annotations
+
+from . import KernelOps
+from .minmax import minmax_update
+from .scores import page_scores
+from .select import select_pages
+from .sparse_decode import sparse_decode
+from .uva_copy import PageCopier
+
+# The copier owns the compiled NVRTC kernel (one per device, built on first use): GPU_OPS holds its bound
+# method, so the cache lives exactly as long as GPU_OPS.
+GPU_OPS = KernelOps(
+    name="triton",
+    minmax_update=minmax_update,
+    page_scores=page_scores,
+    select_pages=select_pages,
+    sparse_decode=sparse_decode,
+    copy_pages=PageCopier().copy_pages,
+)

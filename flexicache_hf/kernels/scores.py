@@ -1,0 +1,97 @@
+"""Triton twin of :func:`flexicache_hf.kernels.reference.page_scores`: Quest's page bound, GQA max in-kernel.
+
+Per page ``p`` and query head ``g`` the bound is ``sum_i max(q_i * kmin_i, q_i * kmax_i)``.  Since
+``kmin <= kmax`` on every non-empty page, ``max(q*lo, q*hi) == max(q, 0) * hi + min(q, 0) * lo`` exactly (one
+of the two products is ``q * x`` and the other ``±0``), which turns the bound into two multiply-adds per
+channel with no select.  One program loads a ``[BLOCK_P, D]`` tile of kmin and kmax once and evaluates every
+query head of the KV head's group against it, keeping the maximum: the MinMax cache is read exactly once per
+scored head, which is the whole cost of this memory-bound step.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._util import pow2
+
+
+@triton.jit(do_not_specialize=["num_pages", "n_sel"])  # num_pages grows every step: one variant
+def _page_scores_kernel(
+    q_ptr,  # [B, Hq, D] decode queries
+    kmin_ptr,  # [B, H, P_cap, D]
+    kmax_ptr,  # [B, H, P_cap, D] (same strides as kmin)
+    heads_ptr,  # [h] int64 KV heads to score
+    out_ptr,  # [B, h, num_pages] float32, contiguous
+    num_pages,
+    n_sel,  # h
+    s_qb, s_qh, s_qd,
+    s_mb, s_mh, s_mp, s_md,
+    GROUP: tl.constexpr,  # query heads per KV head
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    pid_p = tl.program_id(0)
+    bj = tl.program_id(1).to(tl.int64)
+    b = bj // n_sel
+    j = bj % n_sel
+    h = tl.load(heads_ptr + j)
+    p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)  # [BLOCK_P] logical pages
+    d = tl.arange(0, BLOCK_D)
+    p_ok = p < num_pages
+    d_ok = d < D
+    base = b * s_mb + h * s_mh
+    off = base + p.to(tl.int64)[:, None] * s_mp + d[None, :] * s_md
+    m2 = p_ok[:, None] & d_ok[None, :]
+    lo = tl.load(kmin_ptr + off, mask=m2, other=0.0).to(tl.float32)  # [BLOCK_P, BLOCK_D]
+    hi = tl.load(kmax_ptr + off, mask=m2, other=0.0).to(tl.float32)
+    # The reference's emptiness test: channel 0 of kmax still -inf (no valid token folded in yet).
+    hi0 = tl.load(kmax_ptr + base + p.to(tl.int64) * s_mp, mask=p_ok, other=float("-inf")).to(tl.float32)
+    empty = hi0 == float("-inf")
+    # Empty pages hold ±inf, whose products with 0 are NaN: zero them (their score is overwritten anyway).
+    lo = tl.where(empty[:, None], 0.0, lo)
+    hi = tl.where(empty[:, None], 0.0, hi)
+    best = tl.full([BLOCK_P], float("-inf"), tl.float32)
+    for g in tl.static_range(GROUP):
+        q = tl.load(q_ptr + b * s_qb + (h * GROUP + g) * s_qh + d * s_qd, mask=d_ok, other=0.0).to(tl.float32)
+        qp = tl.maximum(q, 0.0)
+        qn = tl.minimum(q, 0.0)
+        s = tl.sum(qp[None, :] * hi + qn[None, :] * lo, axis=1)  # [BLOCK_P] bound of query head g
+        best = tl.maximum(best, s)  # GQA: the group keeps its strongest head's bound
+    best = tl.where(empty, float("-inf"), best)
+    tl.store(out_ptr + bj * num_pages + p, best, mask=p_ok)
+
+
+def page_scores(
+    query: torch.Tensor,  # [B, Hq, D] the decode step's queries
+    kmin: torch.Tensor,  # [B, H, P_cap, D]
+    kmax: torch.Tensor,  # [B, H, P_cap, D]
+    heads: torch.Tensor,  # [h] int64 KV heads to score
+    num_pages: int,
+    *,
+    block_p: int | None = None,  # pages per program (benchmarks sweep it); None = 64 (32 for D > 128)
+    num_warps: int | None = None,  # None = 8 for D >= 128, else 4
+) -> torch.Tensor:  # [B, h, num_pages] float32
+    """Same contract as :func:`reference.page_scores`."""
+    B, Hq, D = query.shape
+    H = kmin.shape[1]
+    n_sel = heads.numel()
+    out = torch.empty((B, n_sel, num_pages), dtype=torch.float32, device=query.device)
+    if n_sel == 0 or num_pages == 0 or B == 0:
+        return out
+    if kmax.stride() != kmin.stride():
+        # rare: give kmax kmin's layout so one set of strides addresses both
+        kmax = torch.empty_strided(kmin.size(), kmin.stride(), dtype=kmax.dtype, device=kmax.device).copy_(kmax)
+    heads = heads.to(device=query.device, dtype=torch.long)
+    # 64 pages x D=128 per program: 2 x 32 KiB of fp16 MinMax per tile in registers (8 warps), enough
+    # programs to fill the GPU from batch ~8 up (B * h * P / 64).
+    block_p = block_p or (64 if D <= 128 else 32)
+    grid = (triton.cdiv(num_pages, block_p), B * n_sel)
+    _page_scores_kernel[grid](
+        query, kmin, kmax, heads, out, num_pages, n_sel,
+        *query.stride(), *kmin.stride(),
+        GROUP=Hq // H, D=D, BLOCK_D=pow2(D), BLOCK_P=block_p, num_warps=num_warps or (8 if D >= 128 else 4),
+    )
+    return out

@@ -1,0 +1,239 @@
+"""The CUDA backend (Triton + cuda-python kernels) against the PyTorch reference, on a real GPU.
+
+Skipped without CUDA (CI never has one); run on the lent H200:
+``PYTHONPATH=$PWD python3 -m pytest -q -m gpu tests/gpu/test_kernels_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+DEV = "cuda"
+# ‖out - ref‖ / ‖ref‖ budgets against an fp32 reference on the same inputs.
+REL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    assert not torch.isnan(out).any()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def paged(B, H, group, D, ps, L, dtype, seed):
+    """Random paged KV in pools with a null page 0, spare pages and a shuffled page table."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    P = -(-L // ps)
+    cap = P + 3
+    N = 1 + B * H * cap + 7
+    k_pool = torch.randn(N, ps, D, generator=g, device=DEV).to(dtype)
+    v_pool = torch.randn(N, ps, D, generator=g, device=DEV).to(dtype)
+    k_pool[0] = float("nan")  # the null page: a kernel that reads it poisons its output
+    v_pool[0] = float("nan")
+    table = (1 + torch.randperm(N - 1, generator=g, device=DEV)[: B * H * cap]).view(B, H, cap).int()
+    q = torch.randn(B, H * group, D, generator=g, device=DEV).to(dtype)
+    return q, k_pool, v_pool, table, P
+
+
+def dense_of(pool, table, L, ps):
+    B, H = table.shape[:2]
+    P = -(-L // ps)
+    return pool[table[:, :, :P].long()].reshape(B, H, P * ps, -1)[:, :, :L]
+
+
+def top_lists(B, H, P, k, seed):
+    """Random page lists of k pages (last page always in), ascending, -1 padded when k > P."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    scores = torch.randn(B, H, P, generator=g, device=DEV)
+    from flexicache_hf.kernels.reference import select_pages
+
+    return select_pages(scores, k)
+
+
+GEOMETRY = [(g, D) for g in (1, 3, 4, 8) for D in (64, 128)]
+
+
+@pytest.mark.parametrize("group,D", GEOMETRY)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("L,k", [(1000, 16), (1000, 80), (3333, 64)])  # partly filled last page; k < and > P
+def test_sparse_decode_matches_reference(group, D, dtype, L, k):
+    from flexicache_hf.kernels import reference as R
+    from flexicache_hf.kernels.sparse_decode import sparse_decode
+
+    B, H, ps = 3, 2, 16
+    q, kp, vp, table, P = paged(B, H, group, D, ps, L, dtype, seed=L + k + group)
+    pages = top_lists(B, H, P, k, seed=k)
+    valid_lo = torch.tensor([0, 17, 100], device=DEV)
+    scale = D ** -0.5
+    ref = R.sparse_decode(q, kp, vp, table, pages, valid_lo, L, scale)
+    for splits, block_n in ((None, None), (1, None), (7, None), (None, 128), (3, 128)):
+        out = sparse_decode(q, kp, vp, table, pages, valid_lo, L, scale, num_splits=splits, block_n=block_n)
+        assert rel_err(out, ref) < REL_TOL[dtype], (splits, block_n)
+
+
+# Full budget == dense: every geometry in fp16; bf16 / fp32 and page size 8 on a few (each distinct
+# (group, D, dtype, page size) is one more Triton compile on the device).
+FULL_CASES = (
+    [(g, D, torch.float16, B, L, 16) for g, D in GEOMETRY for B, L in ((1, 4097), (5, 777))]
+    + [(g, D, dt, B, L, ps) for g, D in ((4, 128), (3, 64), (8, 64)) for dt in (torch.bfloat16, torch.float32)
+       for B, L, ps in ((1, 4097, 16), (2, 1000, 8))]
+)
+
+
+@pytest.mark.parametrize("group,D,dtype,B,L,ps", FULL_CASES)
+def test_full_budget_equals_sdpa(group, D, dtype, B, L, ps):
+    from flexicache_hf.kernels.sparse_decode import sparse_decode
+
+    H = 2
+    q, kp, vp, table, P = paged(B, H, group, D, ps, L, dtype, seed=B * L + group + D)
+    pages = torch.arange(P, device=DEV).expand(B, H, P)
+    valid_lo = torch.zeros(B, dtype=torch.long, device=DEV)
+    scale = D ** -0.5
+    out = sparse_decode(q, kp, vp, table, pages, valid_lo, L, scale)
+    keys, values = dense_of(kp, table, L, ps).float(), dense_of(vp, table, L, ps).float()
+    want = F.scaled_dot_product_attention(q.float()[:, :, None], keys, values, scale=scale, enable_gqa=True)[:, :, 0]
+    assert rel_err(out, want) < REL_TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_minmax_scores_select_match_reference(dtype):
+    from flexicache_hf.kernels import reference as R
+    from flexicache_hf.kernels.gpu import GPU_OPS
+    from flexicache_hf.kernels.select import select_pages_triton
+
+    torch.manual_seed(0)
+    B, H, group, D, ps, T = 4, 8, 4, 128, 16, 10_000 - 5  # partly filled last page
+    cap = T // ps + 8
+    keys = torch.randn(B, T + 3, H, D, device=DEV, dtype=dtype).transpose(1, 2)  # non-contiguous like HF
+    valid_lo = torch.tensor([0, 5, 16, 333], device=DEV)
+    mm = [torch.full((B, H, cap, D), float("inf"), device=DEV, dtype=dtype) for _ in range(2)]
+    mm[1].fill_(float("-inf"))
+    ref = [m.clone() for m in mm]
+    for a, b in ((0, T), (T, T + 1), (T + 1, T + 2), (T + 2, T + 3)):  # a long prompt, then decode steps
+        GPU_OPS.minmax_update(*mm, keys[:, :, a:b], a, valid_lo, ps)
+        R.minmax_update(*ref, keys[:, :, a:b], a, valid_lo, ps)
+    assert torch.equal(mm[0], ref[0]) and torch.equal(mm[1], ref[1])
+    n = -(-(T + 3) // ps)
+    q = torch.randn(B, H * group, D, device=DEV, dtype=dtype)
+    for heads in (torch.tensor([1, 6], device=DEV), torch.arange(H, device=DEV)):
+        s = GPU_OPS.page_scores(q, *mm, heads, n)
+        s_ref = R.page_scores(q, *ref, heads, n)
+        assert torch.equal(torch.isneginf(s), torch.isneginf(s_ref))
+        fin = torch.isfinite(s_ref)
+        torch.testing.assert_close(s[fin], s_ref[fin], rtol=1e-5, atol=1e-3)
+        for k in (64, 128, 1000):
+            assert torch.equal(select_pages_triton(s_ref, k), R.select_pages(s_ref, k)), k
+
+
+@pytest.mark.parametrize("P,k", [(625, 64), (1875, 128), (2048, 130), (40, 64), (20000, 64)])
+def test_select_pages_large(P, k):
+    from flexicache_hf.kernels import reference as R
+    from flexicache_hf.kernels.gpu import GPU_OPS
+
+    s = torch.randn(40, 8, P, device=DEV)
+    s[3, 2, : P // 3] = float("-inf")
+    assert torch.equal(GPU_OPS.select_pages(s, k), R.select_pages(s, k))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_copy_pages_host_device_exact(dtype):
+    from flexicache_hf.kernels.gpu import GPU_OPS
+
+    ps, D, n_host, n_dev = 16, 128, 3000, 700
+    host = torch.randn(n_host, ps, D).to(dtype).pin_memory()
+    dev = torch.randn(n_dev, ps, D, device=DEV).to(dtype)
+    g = torch.Generator().manual_seed(0)
+    m = 500
+    dst_i = torch.randperm(n_dev, generator=g)[:m]
+    src_i = torch.randperm(n_host, generator=g)[:m]
+    dst_i[::7] = -1  # skipped entries (their source index is garbage on purpose)
+    src_i[::7] = 10**9
+    want = dev.clone()
+    keep = dst_i >= 0
+    want[dst_i[keep].to(DEV)] = host[src_i[keep]].to(DEV)
+    side = torch.cuda.Stream(priority=0)  # the cache copies on a low-priority side stream
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        GPU_OPS.copy_pages(dev, dst_i.to(DEV), host, src_i.to(DEV))  # host -> device, indices on the device
+    side.synchronize()
+    assert torch.equal(dev, want)
+
+    # device -> host (offload), indices on the device as the cache passes them
+    host2 = torch.zeros(n_host, ps, D, dtype=dtype).pin_memory()
+    d_i = torch.randperm(n_host, generator=g)[:m]
+    s_i = torch.randperm(n_dev, generator=g)[:m]
+    d_i[1::5] = -1
+    GPU_OPS.copy_pages(host2, d_i.to(DEV), dev, s_i.to(DEV))
+    torch.cuda.synchronize()
+    want2 = torch.zeros_like(host2)
+    kk = d_i >= 0
+    want2[d_i[kk]] = dev[s_i[kk].to(DEV)].cpu()
+    assert torch.equal(host2, want2)
+
+    # device -> device, and a copy larger than one launch chunk
+    big_src = torch.randn(10_000, ps, D, device=DEV).to(dtype)
+    big_dst = torch.zeros(10_000, ps, D, device=DEV, dtype=dtype)
+    perm = torch.randperm(10_000, device=DEV)
+    GPU_OPS.copy_pages(big_dst, perm, big_src, torch.arange(10_000, device=DEV))
+    torch.cuda.synchronize()
+    assert torch.equal(big_dst[perm], big_src)
+
+
+def test_copy_pages_uses_the_kernel():
+    """Pinned host <-> device copies must take the cuda-python path, not the torch fallback."""
+    from flexicache_hf.kernels.gpu import GPU_OPS
+
+    copier = GPU_OPS.copy_pages.__self__
+    host = torch.randn(4, 16, 64).pin_memory()
+    dev = torch.zeros(4, 16, 64, device=DEV)
+    assert copier.usable(dev, host) is not None, copier.unavailable
+    GPU_OPS.copy_pages(dev, torch.tensor([2, 0], device=DEV), host, torch.tensor([1, 3], device=DEV))
+    torch.cuda.synchronize()
+    assert copier.unavailable is None and copier._kernels, copier.unavailable  # compiled once, cached
+    assert torch.equal(dev[2].cpu(), host[1]) and torch.equal(dev[0].cpu(), host[3])
+    assert copier.usable(dev, torch.zeros(4, 16, 64)) is None  # pageable memory: torch fallback
+
+
+def _tiny_llama(dtype):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=97, hidden_size=8 * 64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
+                      pad_token_id=0, eos_token_id=96, bos_token_id=1)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="flexicache").eval().to(DEV, dtype)
+    return cfg, model
+
+
+@pytest.mark.parametrize("dtype,steps,tol", [(torch.float32, 12, 1e-4), (torch.bfloat16, 1, 3e-2)])
+def test_flexicache_triton_matches_reference_end_to_end(dtype, steps, tol):
+    """FlexiCache on CUDA with the default (Triton) kernels decodes like kernels='reference'."""
+    import flexicache_hf
+
+    cfg, model = _tiny_llama(dtype)
+    B, L = 2, 203
+    ids = torch.randint(2, 96, (B, L), device=DEV)
+    mask = torch.ones(B, L, dtype=torch.long, device=DEV)
+    mask[1, :21] = 0  # left padding
+    ids[1, :21] = 0
+    outs = {}
+    for kernels in ("reference", None):
+        profile = flexicache_hf.HeadProfile.random(cfg, 0.25)
+        cache = flexicache_hf.FlexiCache(profile, kernels=kernels, page_size=16, token_budget=64, rerank_interval=4)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
+                                 do_sample=False, past_key_values=cache, output_logits=True,
+                                 return_dict_in_generate=True)
+        assert cache.layers[0].ops.name == ("reference" if kernels else "triton")
+        outs[kernels] = out
+    ref, tri = outs["reference"], outs[None]
+    for i, (a, b) in enumerate(zip(ref.logits, tri.logits)):
+        assert rel_err(b, a) < tol, i
+    if dtype == torch.float32:
+        assert torch.equal(ref.sequences, tri.sequences)

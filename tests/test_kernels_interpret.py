@@ -1,0 +1,276 @@
+"""Triton kernels against :mod:`flexicache_hf.kernels.reference`, on the CPU, under ``TRITON_INTERPRET=1``.
+
+Triton picks the interpreter when a kernel is *defined*, so the interpreted checks must import the kernel
+modules in a process that had the variable set from the start.  In a normal ``pytest`` run this module
+defines one test that re-runs this same file in a child pytest with ``TRITON_INTERPRET=1``; in that child
+(or in any run started with the variable set) it defines the real checks.  No GPU is needed.
+
+The cuda-python copy kernel cannot run in the interpreter: its host-side planning (launch chunks, grid
+caps, vector width) and its CPU fallback are tested here; the kernel itself in ``tests/gpu``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# ---- copy_pages host side (no Triton, runs in both processes) ---------------------------------------------
+def test_copy_plan_caps_grid_and_chunks():
+    from flexicache_hf.kernels.uva_copy import Launch, plan_launches
+
+    plan = plan_launches(10_000, True, host_grid=32, device_grid=1024, chunk_pages=4096)
+    assert plan == [Launch(0, 4096, 32), Launch(4096, 4096, 32), Launch(8192, 1808, 32)]
+    assert plan_launches(5, False, host_grid=32, device_grid=1024, chunk_pages=4096) == [Launch(0, 5, 5)]
+    assert plan_launches(3000, False, host_grid=32, device_grid=1024, chunk_pages=4096) == [Launch(0, 3000, 1024)]
+    assert plan_launches(0, True, host_grid=32, device_grid=1024, chunk_pages=4096) == []
+
+
+def test_copy_vector_width():
+    from flexicache_hf.kernels.uva_copy import vector_width
+
+    assert vector_width(4096, 0, 1 << 20) == 16
+    assert vector_width(4096, 8, 1 << 20) == 8  # a pool base only 8-byte aligned
+    assert vector_width(24, 0, 0) == 8
+    assert vector_width(6, 0, 0) == 1
+
+
+def test_copy_falls_back_to_torch_on_cpu():
+    from flexicache_hf.kernels.uva_copy import PageCopier
+
+    src = torch.randn(6, 4, 8)
+    dst = torch.zeros(5, 4, 8)
+    di = torch.tensor([3, -1, 0, 4])
+    si = torch.tensor([5, 2, 1, 0])
+    PageCopier().copy_pages(dst, di, src, si)  # CPU <-> CPU: no CUDA device -> torch indexing
+    want = torch.zeros(5, 4, 8)
+    want[3], want[0], want[4] = src[5], src[1], src[0]
+    assert torch.equal(dst, want)
+
+
+def test_copy_usable_decides_kernel_or_fallback():
+    """Which tensor pairs the UVA kernel takes (fake CUDA tensors: no GPU needed to decide)."""
+    from types import SimpleNamespace
+
+    from flexicache_hf.kernels.uva_copy import PageCopier
+
+    def fake(dev, pinned=False, dtype=torch.float16, shape=(4, 16, 64), contiguous=True):
+        return SimpleNamespace(device=torch.device(dev), is_pinned=lambda: pinned, dtype=dtype, shape=shape,
+                               is_contiguous=lambda: contiguous)
+
+    c = PageCopier()
+    assert c.usable(fake("cuda:0"), fake("cpu", pinned=True)) == torch.device("cuda:0")
+    assert c.usable(fake("cpu", pinned=True), fake("cuda:0")) == torch.device("cuda:0")
+    assert c.usable(fake("cuda:0"), fake("cuda:0")) == torch.device("cuda:0")
+    assert c.usable(fake("cuda:0"), fake("cpu")) is None  # pageable host memory
+    assert c.usable(fake("cuda:0"), fake("cuda:1")) is None  # two devices
+    assert c.usable(fake("cuda:0"), fake("cuda:0", dtype=torch.float32)) is None
+    assert c.usable(fake("cuda:0"), fake("cuda:0", contiguous=False)) is None
+    assert c.usable(fake("cpu", pinned=True), fake("cpu", pinned=True)) is None
+
+
+def test_split_plan():
+    from flexicache_hf.kernels.sparse_decode import plan_splits
+
+    assert plan_splits(65, 320, 132, 4) == (4, 20)  # batch 40 x 8 heads, budget 1024: ~8 programs per SM
+    s, pps = plan_splits(625, 8, 132, 4)  # batch 1, dense 10k: many splits of >= 2 blocks
+    assert s * pps >= 625 and pps % 4 == 0 and pps >= 8 and s > 40
+    assert plan_splits(3, 8, 132, 4) == (1, 4)
+
+
+if not INTERPRETED:
+
+    def test_triton_kernels_under_interpreter():
+        """Run this file's interpreted checks in a child pytest with TRITON_INTERPRET=1 (CPU only)."""
+        env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+        t0 = time.time()
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
+                           env=env, capture_output=True, text=True, timeout=900)
+        tail = (r.stdout[-6000:] + "\n" + r.stderr[-3000:]).strip()
+        assert r.returncode == 0, f"interpreted kernel checks failed:\n{tail}"
+        print(f"interpreted kernel checks passed in {time.time() - t0:.1f} s\n{tail.splitlines()[-1]}")
+
+else:
+    from flexicache_hf.kernels import reference as R
+    from flexicache_hf.kernels.gpu import GPU_OPS
+    from flexicache_hf.kernels.minmax import minmax_update
+    from flexicache_hf.kernels.scores import page_scores
+    from flexicache_hf.kernels.select import select_pages, select_pages_triton
+    from flexicache_hf.kernels.sparse_decode import sparse_decode
+
+    DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+    # ‖out - ref‖ / ‖ref‖ budgets: fp32 math vs fp32 reference; fp16/bf16 round P to the storage dtype
+    # before P@V (as flash attention does) and round the output.
+    REL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
+
+    def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+        out, ref = out.double(), ref.double()
+        assert not torch.isnan(out).any()
+        return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+    def make_minmax(B, H, cap, D, dtype):
+        return (torch.full((B, H, cap, D), float("inf"), dtype=dtype),
+                torch.full((B, H, cap, D), float("-inf"), dtype=dtype))
+
+    def test_gpu_ops_table():
+        assert GPU_OPS.name == "triton" and GPU_OPS.sparse_decode is sparse_decode
+
+    # ---- minmax_update ---------------------------------------------------------------------------------
+    @pytest.mark.parametrize("dtype", DTYPES)
+    @pytest.mark.parametrize("ps", [8, 16])
+    def test_minmax_prompt_then_decode(dtype, ps):
+        torch.manual_seed(1)
+        B, H, D, L = 3, 2, 64, 5 * ps + 3  # partly filled last page
+        cap = L // ps + 3
+        keys = torch.randn(B, H, L + 4, D).to(dtype)
+        valid_lo = torch.tensor([0, 5, ps + 2])  # left padding: inside page 0 and a whole first page
+        ours, ref = make_minmax(B, H, cap, D, dtype), make_minmax(B, H, cap, D, dtype)
+        steps = [(0, L - 2), (L - 2, L - 1), (L - 1, L), (L, L + 1), (L + 1, L + 4)]  # chunk, chunk, decode...
+        for a, b in steps:
+            minmax_update(*ours, keys[:, :, a:b], a, valid_lo, ps)
+            R.minmax_update(*ref, keys[:, :, a:b], a, valid_lo, ps)
+            assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1]), (a, b)
+        assert torch.isinf(ours[0][2, :, 0]).all()  # a page of pure padding keeps its sentinels
+
+    def test_minmax_long_chunk_non_contiguous_keys():
+        torch.manual_seed(2)
+        B, H, D, ps, T = 2, 3, 128, 16, 301
+        keys = torch.randn(B, T, H, D, dtype=torch.float16).transpose(1, 2)  # HF's [B, H, T, D] view
+        valid_lo = torch.tensor([0, 37])
+        ours, ref = make_minmax(B, H, T // ps + 2, D, torch.float16), make_minmax(B, H, T // ps + 2, D, torch.float16)
+        minmax_update(*ours, keys, 0, valid_lo, ps)
+        R.minmax_update(*ref, keys, 0, valid_lo, ps)
+        assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
+
+    # ---- page_scores -----------------------------------------------------------------------------------
+    @pytest.mark.parametrize("group", [1, 3, 4])
+    @pytest.mark.parametrize("D", [64, 128])
+    @pytest.mark.parametrize("dtype", DTYPES)
+    def test_page_scores(group, D, dtype):
+        torch.manual_seed(3)
+        B, H, ps, L = 2, 3, 16, 150
+        cap = L // ps + 4
+        kmin, kmax = make_minmax(B, H, cap, D, dtype)
+        R.minmax_update(kmin, kmax, torch.randn(B, H, L, D).to(dtype), 0, torch.tensor([0, 40]), ps)
+        q = torch.randn(B, H * group, D).to(dtype)
+        n = L // ps + 1
+        for heads in (torch.tensor([2, 0]), torch.arange(H)):
+            ours = page_scores(q, kmin, kmax, heads, n)
+            ref = R.page_scores(q, kmin, kmax, heads, n)
+            assert ours.dtype == torch.float32 and ours.shape == ref.shape
+            assert torch.equal(torch.isneginf(ours), torch.isneginf(ref))  # padding-only pages: -inf
+            fin = torch.isfinite(ref)
+            torch.testing.assert_close(ours[fin], ref[fin], rtol=1e-5, atol=1e-4)
+
+    # ---- select_pages ----------------------------------------------------------------------------------
+    @pytest.mark.parametrize("P,k", [(1, 4), (5, 8), (40, 4), (40, 40), (300, 16), (1000, 128), (2100, 130)])
+    def test_select_pages(P, k):
+        torch.manual_seed(P + k)
+        B, h = 2, 3
+        s = torch.randn(B, h, P)
+        s[0, 0, : P // 2] = float("-inf")  # unselectable (padding) pages: fewer selectable than k
+        s[1, 2, :] = float("-inf")  # only the forced last page is selectable
+        if P > 3:
+            s[1, 1, 3] = float("inf")
+        ours = select_pages_triton(s, k)
+        assert ours.dtype == torch.long and ours.shape == (B, h, k)
+        assert torch.equal(ours, R.select_pages(s, k))
+        for bits in (1, 2):  # the narrower radix passes used for long score vectors
+            assert torch.equal(select_pages_triton(s, k, radix_bits=bits), ours), bits
+        assert torch.equal(select_pages(s, k), ours)
+        assert (ours[1, 2, 1:] == -1).all() and ours[1, 2, 0] == P - 1
+
+    def test_select_pages_ties_take_lowest_ids():
+        s = torch.zeros(1, 1, 10)
+        s[0, 0, 7] = 1.0
+        out = select_pages_triton(s, 4)  # page 9 forced, page 7 the best, then ties 0 and 1
+        assert out.tolist() == [[[0, 1, 7, 9]]]
+
+    # ---- sparse_decode ---------------------------------------------------------------------------------
+    def paged_setup(B, H, group, D, ps, L, dtype, seed, valid_lo=None):
+        """Random paged KV: a shuffled page table into pools with a null page 0 and unused pages."""
+        g = torch.Generator().manual_seed(seed)
+        P = -(-L // ps)
+        cap = P + 2
+        N = 1 + B * H * cap + 5
+        k_pool = torch.randn(N, ps, D, generator=g).to(dtype)
+        v_pool = torch.randn(N, ps, D, generator=g).to(dtype)
+        table = (1 + torch.randperm(N - 1, generator=g)[: B * H * cap]).view(B, H, cap).int()
+        q = torch.randn(B, H * group, D, generator=g).to(dtype)
+        if valid_lo is None:
+            valid_lo = torch.zeros(B, dtype=torch.long)
+        return q, k_pool, v_pool, table, valid_lo, P
+
+    def dense_of(k_pool, table, L, ps):
+        """[B, H, L, D] tokens of the paged pool, for the dense reference."""
+        B, H = table.shape[:2]
+        P = -(-L // ps)
+        pages = k_pool[table[:, :, :P].long()]  # [B, H, P, ps, D]
+        return pages.reshape(B, H, P * ps, -1)[:, :, :L]
+
+    CASES = [  # group, D, page size, dtype, length (partly filled last page in each)
+        (1, 64, 16, torch.float32, 71),
+        (3, 64, 8, torch.float16, 53),
+        (4, 128, 16, torch.bfloat16, 90),
+        (4, 64, 16, torch.float16, 37),
+        (3, 128, 8, torch.float32, 45),
+        (1, 128, 16, torch.bfloat16, 33),
+    ]
+
+    @pytest.mark.parametrize("group,D,ps,dtype,L", CASES)
+    def test_sparse_decode_lists(group, D, ps, dtype, L):
+        B, H = 2, 2
+        q, kp, vp, table, _, P = paged_setup(B, H, group, D, ps, L, dtype, seed=L,
+                                             valid_lo=None)
+        valid_lo = torch.tensor([0, ps + 3])  # row 1 left-padded past its first page
+        g = torch.Generator().manual_seed(7)
+        W = 5
+        pages = torch.full((B, H, W), -1, dtype=torch.long)
+        for b in range(B):
+            for h in range(H):
+                n = 1 + (b + h) % min(W, P)  # different list lengths, -1 padded (also in the middle)
+                sel = torch.randperm(P - 1, generator=g)[: n - 1]
+                row = torch.cat([sel, torch.tensor([P - 1])])
+                pages[b, h, :n] = row
+        pages[0, 1, 0], pages[0, 1, -1] = -1, pages[0, 1, 0].clone()
+        scale = D ** -0.5
+        ref = R.sparse_decode(q, kp, vp, table, pages, valid_lo, L, scale)
+        for splits, block_n in ((None, None), (1, None), (2, None), (None, 128), (2, 32)):
+            out = sparse_decode(q, kp, vp, table, pages, valid_lo, L, scale, num_splits=splits, block_n=block_n)
+            assert out.dtype == dtype and out.shape == q.shape
+            assert rel_err(out, ref) < REL_TOL[dtype], (splits, block_n)
+
+    @pytest.mark.parametrize("group,D,ps,dtype,L", CASES)
+    def test_full_budget_equals_dense(group, D, ps, dtype, L):
+        B, H = 2, 2
+        q, kp, vp, table, _, P = paged_setup(B, H, group, D, ps, L, dtype, seed=L + 1)
+        valid_lo = torch.tensor([3, 0])
+        pages = torch.arange(P).expand(B, H, P).contiguous()
+        scale = D ** -0.5
+        dense = R.dense_attention_reference(q, dense_of(kp, table, L, ps), dense_of(vp, table, L, ps), valid_lo, scale)
+        for splits in (None, 1, 3):
+            out = sparse_decode(q, kp, vp, table, pages, valid_lo, L, scale, num_splits=splits)
+            assert rel_err(out, dense) < REL_TOL[dtype], splits
+
+    def test_pipeline_scores_select_decode_matches_reference():
+        """The whole decode step (score due heads, select top-k, attend) against the reference chain."""
+        torch.manual_seed(11)
+        B, H, group, D, ps, L, k = 2, 2, 4, 64, 16, 250, 6
+        q, kp, vp, table, _, P = paged_setup(B, H, group, D, ps, L, torch.float32, seed=3)
+        valid_lo = torch.tensor([0, 20])
+        kmin, kmax = make_minmax(B, H, table.shape[2], D, torch.float32)
+        R.minmax_update(kmin, kmax, dense_of(kp, table, L, ps), 0, valid_lo, ps)
+        heads = torch.arange(H)
+        ours = select_pages(page_scores(q, kmin, kmax, heads, P), k)
+        ref = R.select_pages(R.page_scores(q, kmin, kmax, heads, P), k)
+        assert torch.equal(ours, ref)
+        out = sparse_decode(q, kp, vp, table, ours, valid_lo, L, D ** -0.5)
+        want = R.sparse_decode(q, kp, vp, table, ref, valid_lo, L, D ** -0.5)
+        assert rel_err(out, want) < 1e-5
