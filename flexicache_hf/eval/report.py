@@ -58,7 +58,24 @@ def markdown(results: dict, cfg: EvalConfig, ret: dict, command: str, header: st
                   "|---|" + "---|" * len(curve), "| accuracy | " + " | ".join(_fmt(v) for v in curve.values()) + " |", ""]
     tasks = ret["tasks"]
     ctx = {r["task"]: r["context_tokens"] for r in results["tasks"]}
-    lines += [f"Task prompts ≈ {cfg.task_length} tokens, {cfg.samples} samples per task. Cells: retention = policy "
+    if results["tasks"]:
+        lines += _task_table(cfg, ret, tasks, ctx)
+    if results["fidelity"]:
+        lines += [f"Long-generation fidelity (dense greedy continuation of {cfg.fidelity_length} tokens after "
+                  f"{cfg.fidelity_prompt} prompt tokens, mean over documents):", "",
+                  "| policy | NLL | top-1 agreement | agreement length | ROUGE-L vs dense |", "|---|---|---|---|---|"]
+        acc = defaultdict(list)
+        for r in results["fidelity"]:
+            acc[r["policy"]].append(r)
+        for p, rows in acc.items():
+            rl = [r["rouge_l"] for r in rows if "rouge_l" in r]
+            lines.append(f"| {p} | {mean(r['nll'] for r in rows):.3f} | {mean(r['top1_agreement'] for r in rows):.3f} | "
+                         f"{mean(r['agreement_length'] for r in rows):.0f} | {_fmt(mean(rl)) if rl else '–'} |")
+    return "\n".join(lines) + "\n"
+
+
+def _task_table(cfg: EvalConfig, ret: dict, tasks, ctx) -> list[str]:
+    lines = [f"Task prompts ≈ {cfg.task_length} tokens, {cfg.samples} samples per task. Cells: retention = policy "
               f"score / dense score. Tasks with dense < {cfg.dense_floor} are shown (marked *) but not in the mean.", "",
               "| policy | " + " | ".join(t + ("" if t in ret["counted"] else "*") for t in tasks) + " | mean |",
               "|---|" + "---|" * (len(tasks) + 1),
@@ -70,18 +87,8 @@ def markdown(results: dict, cfg: EvalConfig, ret: dict, command: str, header: st
                      + f" | **{_fmt(row['mean_retention'], True)}** |")
     lines.append("")
     lines.append("Prompt tokens per task: " + ", ".join(f"{t} {n}" for t, n in ctx.items()))
-    if results["fidelity"]:
-        lines += ["", f"Long-generation fidelity (dense greedy continuation of {cfg.fidelity_length} tokens after "
-                  f"{cfg.fidelity_prompt} prompt tokens, mean over documents):", "",
-                  "| policy | NLL | top-1 agreement | agreement length | ROUGE-L vs dense |", "|---|---|---|---|---|"]
-        acc = defaultdict(list)
-        for r in results["fidelity"]:
-            acc[r["policy"]].append(r)
-        for p, rows in acc.items():
-            rl = [r["rouge_l"] for r in rows if "rouge_l" in r]
-            lines.append(f"| {p} | {mean(r['nll'] for r in rows):.3f} | {mean(r['top1_agreement'] for r in rows):.3f} | "
-                         f"{mean(r['agreement_length'] for r in rows):.0f} | {_fmt(mean(rl)) if rl else '–'} |")
-    return "\n".join(lines) + "\n"
+    lines.append("")
+    return lines
 
 
 def figures(results: dict, ret: dict, out: Path) -> list[Path]:
