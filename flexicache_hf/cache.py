@@ -111,7 +111,7 @@ class FlexiCacheLayer(CacheLayerMixin):
                              cfg.host_memory_limit, self.owner.host_bytes)
         self.slots = SlotTable(self.pool, self.device)
         self.reranker = Reranker(B, H, self.unstable, cfg.budget_pages, cfg.rerank_interval,
-                                 cfg.max_recent_pages, self.device)
+                                 cfg.max_recent_pages, self.device, cfg.sink_pages, cfg.recent_pages)
         self.kmin = torch.empty((B, H, 0, D), dtype=self.dtype, device=self.device)
         self.kmax = torch.empty_like(self.kmin)
         self.valid_lo = torch.zeros(B, dtype=torch.long, device=self.device)

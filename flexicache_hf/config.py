@@ -23,6 +23,9 @@ class FlexiCacheConfig:
             host memory.  ``False`` keeps every page on the device (sparse compute only, like Quest).
         host_memory_limit: cap in bytes on the host tier of one cache (``None``: no cap).  Exceeding it
             raises :class:`~flexicache_hf.tiers.HostMemoryError` before anything is written.
+        sink_pages: the first pages (attention sinks) every re-rank keeps, inside the budget.  0 = the paper.
+        recent_pages: the newest pages every re-rank keeps, inside the budget (the page being appended to is
+            always kept).  0 = the paper.  Small models lean on local context that the min/max bound can miss.
     """
 
     page_size: int = 16
@@ -30,6 +33,8 @@ class FlexiCacheConfig:
     rerank_interval: int = 16
     offload: bool = True
     host_memory_limit: int | None = None
+    sink_pages: int = 0
+    recent_pages: int = 0
 
     def __post_init__(self) -> None:
         ps = self.page_size
@@ -45,6 +50,15 @@ class FlexiCacheConfig:
             raise ConfigError(f"rerank_interval must be a positive integer, got {r!r}")
         if not isinstance(self.offload, bool):
             raise ConfigError(f"offload must be a bool, got {self.offload!r}")
+        for name in ("sink_pages", "recent_pages"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise ConfigError(f"{name} must be a non-negative integer, got {v!r}")
+        if self.sink_pages + self.recent_pages >= tb // ps:
+            raise ConfigError(
+                f"sink_pages + recent_pages ({self.sink_pages} + {self.recent_pages}) must leave room in the budget "
+                f"of {tb // ps} pages for pages chosen by score"
+            )
         cap = self.host_memory_limit
         if cap is not None and (not isinstance(cap, int) or cap < 0):
             raise ConfigError(f"host_memory_limit must be None or a non-negative number of bytes, got {cap!r}")

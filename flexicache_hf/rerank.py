@@ -38,8 +38,10 @@ class Reranker:
     """Schedule and selection state of one layer."""
 
     def __init__(self, batch: int, num_kv_heads: int, unstable: tuple[int, ...], budget_pages: int,
-                 rerank_interval: int, max_recent: int, device: torch.device):
+                 rerank_interval: int, max_recent: int, device: torch.device, sink_pages: int = 0,
+                 recent_pages: int = 0):
         self.budget_pages, self.interval, self.max_recent = budget_pages, rerank_interval, max_recent
+        self.sink_pages, self.recent_pages = sink_pages, recent_pages
         stable = tuple(h for h in range(num_kv_heads) if h not in set(unstable))
         self.unstable = torch.tensor(unstable, dtype=torch.long, device=device)
         self.unstable_host = torch.tensor(unstable, dtype=torch.long)  # for host-side counters (no sync)
@@ -66,6 +68,12 @@ class Reranker:
                heads: torch.Tensor, num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Score ``heads`` with the MinMax cache and store their top-K; returns (pages, scores)."""
         scores = ops.page_scores(query, kmin, kmax, heads, num_pages)
+        if self.sink_pages or self.recent_pages:  # forced pages outrank every bound (empty pages stay -inf)
+            forced = scores[:, :, : self.sink_pages]
+            forced.masked_fill_(forced > float("-inf"), float("inf"))
+            if self.recent_pages:
+                forced = scores[:, :, max(0, num_pages - 1 - self.recent_pages):]
+                forced.masked_fill_(forced > float("-inf"), float("inf"))
         pages = ops.select_pages(scores, self.budget_pages)
         self.selected[:, heads] = pages
         if heads.numel() == self.reranks.numel():

@@ -24,6 +24,8 @@ def gen(model, ids, cache, n=4, **kw):
     (dict(rerank_interval=0), "positive"),
     (dict(offload="yes"), "bool"),
     (dict(host_memory_limit=-1), "non-negative"),
+    (dict(sink_pages=-1), "non-negative"),
+    (dict(token_budget=64, page_size=16, sink_pages=2, recent_pages=2), "leave room"),
 ])
 def test_bad_config_values(fields, match):
     with pytest.raises(ConfigError, match=match):
