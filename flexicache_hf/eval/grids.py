@@ -100,6 +100,15 @@ def profiles_3k() -> EvalConfig:
                       fidelity_extra=variants)
 
 
+def sinks_3k() -> EvalConfig:
+    """FlexiCache's selection as in the paper vs keeping the first page and the 4 newest in every re-rank."""
+    variants = tuple(Policy("flexicache", b, 16, 0.25, "measured", sink, recent)
+                     for b in (256, 512) for sink, recent in ((0, 0), (1, 4)))
+    return EvalConfig(name="sinks-3k", tasks=(), reach_lengths=(), fidelity_docs=1, fidelity_prompt=3072,
+                      fidelity_length=128, fidelity_budgets=(), fidelity_families=(), fidelity_free_run=False,
+                      fidelity_extra=variants)
+
+
 def named_configs() -> dict:
     return {"tiny": tiny, "full": full, "gpu-short": gpu_short, "fidelity-3k": fidelity_3k,
-            "profiles-3k": profiles_3k}
+            "profiles-3k": profiles_3k, "sinks-3k": sinks_3k}

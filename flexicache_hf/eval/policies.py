@@ -29,6 +29,8 @@ class Policy:
     rerank_interval: int = 16  # FlexiCache's R; LServe's re-selection interval
     unstable_fraction: float = 0.25  # FlexiCache only
     profile: str = "measured"  # FlexiCache only: "measured" (the model's profile) or "random" (a control)
+    sink_pages: int = 0  # FlexiCache only: first pages kept by every re-rank
+    recent_pages: int = 0  # FlexiCache only: newest pages kept by every re-rank
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -46,6 +48,8 @@ class Policy:
         budget = f"{b}" if isinstance(b, int) else f"1/{round(1 / b)}"
         if self.family == "flexicache":
             tag = "-random" if self.profile == "random" else ""
+            if self.sink_pages or self.recent_pages:
+                tag += f"-sink{self.sink_pages}-recent{self.recent_pages}"
             return f"flexicache-R{self.rerank_interval}-u{round(100 * self.unstable_fraction)}{tag}@{budget}"
         if self.family == "lserve":
             return f"lserve-R{self.rerank_interval}@{budget}"
@@ -116,7 +120,7 @@ def make_cache(policy: Policy, model_config, context: int, profiles: ProfileSour
         # Quest: every head re-ranked every step and every page kept on the device.
         prof = HeadProfile.all_unstable(model_config) if quest else profiles.profile(policy.unstable_fraction, policy.profile)
         cfg = FlexiCacheConfig(page_size=page_size, token_budget=budget, rerank_interval=policy.rerank_interval,
-                               offload=not quest)
+                               offload=not quest, sink_pages=policy.sink_pages, recent_pages=policy.recent_pages)
         return FlexiCache(prof, cfg, model_config=model_config, kernels=kernels)
     if policy.family == "streaming":
         return streaming_cache(layers, budget)
