@@ -74,6 +74,8 @@ def main(argv=None) -> dict:
         dense = model.generate(ids, past_key_values=DynamicCache(), **gen)[0, ids.shape[1]:]
         report["seconds_dense"] = time.perf_counter() - t0
         model.set_attn_implementation("flexicache")
+        print("\n--- DynamicCache output (dense, for comparison) " + "-" * 24)
+        print(tok.decode(dense, skip_special_tokens=True))
         n = min(len(dense), len(new))
         diff = (dense[:n] != new[:n]).nonzero()
         report["greedy_agreement_tokens"] = int(diff[0, 0]) if diff.numel() else n
