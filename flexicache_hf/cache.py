@@ -190,9 +190,8 @@ class FlexiCacheLayer(CacheLayerMixin):
         """
         ps = self.config.page_size
         end = start + k.shape[2]
+        self._flush_newest_page()
         with copy_context(self.copies):
-            if start % ps and self.tail_phys is not None:  # the partial page held only on the device
-                offload_page(self.ops, self.pool, self.host, start // ps, self.tail_phys)
             self.host.write_tokens(k, v, start)
             self.slots.clear()
             newest = (end - 1) // ps
@@ -201,6 +200,14 @@ class FlexiCacheLayer(CacheLayerMixin):
             load_promoted(self.ops, self.pool, self.host, pages, self.tail_phys[..., None])
         self.copies.hand_off()
         self.reranker.step = 0
+
+    def _flush_newest_page(self) -> None:
+        """Copy the newest page of the offloaded heads to the host while it is partly filled: decode tokens
+        go to its device slot only (a page is offloaded once, when it fills), so until then the host lacks them."""
+        ps = self.config.page_size
+        if self.seq_len % ps and self.tail_phys is not None:
+            with copy_context(self.copies):
+                offload_page(self.ops, self.pool, self.host, (self.seq_len - 1) // ps, self.tail_phys)
 
     # ---- compute -------------------------------------------------------------------------------------
     def attend(self, handle: PagedKV, query: torch.Tensor, mask2d: torch.Tensor | None, scaling: float) -> torch.Tensor:
@@ -280,10 +287,7 @@ class FlexiCacheLayer(CacheLayerMixin):
             keys[:, self.full_heads] = self.pool.full_tokens("k")[:, :, :end]
             values[:, self.full_heads] = self.pool.full_tokens("v")[:, :, :end]
         if self.slot_heads.numel():
-            ps = self.config.page_size
-            with copy_context(self.copies):
-                if end % ps and self.tail_phys is not None:  # the newest page is only complete on the device
-                    offload_page(self.ops, self.pool, self.host, end // ps, self.tail_phys)
+            self._flush_newest_page()
             self.copies.hand_off()
             hk, hv = self.host.read_tokens(end, self.device)
             keys[:, self.slot_heads], values[:, self.slot_heads] = hk, hv

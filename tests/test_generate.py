@@ -191,3 +191,21 @@ def test_two_caches_two_models_in_threads():
     for t in threads:
         t.join()
     assert torch.equal(got["a"], want_a) and torch.equal(got["b"], want_b)
+
+
+def test_stored_tokens_equal_dynamic_cache_after_decode_and_follow_up_chunk():
+    """Every stored token, wherever it lives, equals DynamicCache's after a prompt, decode steps that leave the
+    newest page partly filled, and a follow-up chunk that crosses pages (the multi-turn path)."""
+    cfg = tiny_config("llama", heads=4, kv_heads=2)
+    fc, dense = twin_models(cfg)
+    # A budget covering every page keeps the stored states exact, while stable heads still live in slots + host.
+    cache, ref = FlexiCache(HeadProfile.all_stable(cfg), page_size=4, token_budget=512), DynamicCache()
+    steps = [torch.randint(2, 96, (1, 30))] + [torch.randint(2, 96, (1, 1)) for _ in range(9)]
+    steps.append(torch.randint(2, 96, (1, 14)))
+    for ids in steps:
+        fc(ids, past_key_values=cache)
+        dense(ids, past_key_values=ref)
+        for layer, want in zip(cache.layers, ref.layers):
+            k, v = layer.gather_tokens(layer.seq_len)
+            torch.testing.assert_close(k, want.keys)
+            torch.testing.assert_close(v, want.values)
