@@ -10,11 +10,12 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
 import flexicache_hf  # noqa: F401
+from flexicache_hf import FlexiCache, FlexiCacheConfig, HeadProfile
 from flexicache_hf.eval import fidelity, report, runner
 from flexicache_hf.eval.decoding import greedy
 from flexicache_hf.eval.eviction import (EvictionCache, LServeLayer, SnapKVLayer, StreamingLayer, lserve_cache,
                                          snapkv_cache, streaming_cache)
-from flexicache_hf.eval.grids import EvalConfig
+from flexicache_hf.eval.grids import EvalConfig, full, only
 from flexicache_hf.eval.policies import Policy, ProfileSource, make_cache
 from flexicache_hf.eval.query_capture import capture_queries
 from flexicache_hf.eval.scorers import agreement_length, contains, lcs_length, match_all, rouge_l
@@ -156,8 +157,8 @@ def test_lserve_streaming_heads_keep_sink_and_recent(model):
 
     prompt, cont = torch.randint(1, 127, (1, 100)), torch.randint(1, 127, (6,)).tolist()
     cache, ref = lserve_cache(2, 2, 32, interval=4), streaming_cache(2, 32)
-    teacher_forced(model, prompt, cont, cache)
-    teacher_forced(model, prompt, cont, ref)
+    teacher_forced(model, prompt, [cont], cache)
+    teacher_forced(model, prompt, [cont], ref)
     layer = cache.layers[0]
     assert isinstance(layer, LServeLayer) and len(layer.streaming_heads) == 1
     h = layer.streaming_heads[0]
@@ -173,10 +174,10 @@ def test_flexicache_with_full_budget_scores_like_dense(model):
     profiles = ProfileSource(model.config, None)
     for s in make_samples(tok, "niah_single", 300, 2, seed=1):
         ids = render(tok, s.context, s.question, s.answer_prefix)
-        dense = greedy(model, ids, make_cache(Policy("dense"), model.config, ids.shape[1], profiles), 12)
+        dense = greedy(model, ids, make_cache(Policy("dense"), model.config, ids.shape[1], profiles), 12)[0]
         for fam in ("flexicache", "quest"):
             p = Policy(fam, 1024) if fam == "quest" else Policy(fam, 1024, 16, 0.5)
-            out = greedy(model, ids, make_cache(p, model.config, ids.shape[1], profiles), 12)
+            out = greedy(model, ids, make_cache(p, model.config, ids.shape[1], profiles), 12)[0]
             assert out == dense
             assert s.score(tok.decode(out)) == s.score(tok.decode(dense))
     assert "random" in profiles.used[0.5]  # no profile for a random model: the report says so
@@ -193,11 +194,41 @@ def test_policy_labels_and_budgets():
 
 def test_fidelity_of_dense_is_perfect(model):
     prompt = torch.randint(1, 127, (1, 80))
-    ref = fidelity.reference(model, prompt, 12, 0)
-    row = fidelity.score(model, ref, DynamicCache)
+    refs = fidelity.references(model, prompt, 12, [0])
+    (row,) = fidelity.score(model, refs, DynamicCache)
     assert row["top1_agreement"] == 1.0 and row["agreement_length"] == 12 and row["rouge_l"] == 1.0
-    low = fidelity.score(model, ref, lambda: streaming_cache(2, 16))
+    (low,) = fidelity.score(model, refs, lambda: streaming_cache(2, 16))
     assert low["nll"] >= 0 and 0 <= low["rouge_l"] <= 1
+
+
+@pytest.mark.parametrize("make", [lambda cfg: DynamicCache(), lambda cfg: streaming_cache(2, 32),
+                                  lambda cfg: snapkv_cache(2, 32, window=8), lambda cfg: lserve_cache(2, 2, 32, 4),
+                                  lambda cfg: FlexiCache(HeadProfile.random(cfg, 0.5),
+                                                         FlexiCacheConfig(page_size=16, token_budget=48,
+                                                                          rerank_interval=4))],
+                         ids=["dense", "streaming", "snapkv", "lserve", "flexicache"])
+def test_fidelity_batch_scores_each_row_as_alone(model, make):
+    """Documents scored as one batch get the rows each would get alone (the batch is only for speed)."""
+    prompts = torch.randint(1, 127, (3, 90))
+    refs = fidelity.references(model, prompts, 10, [0, 1, 2])
+    alone = [fidelity.references(model, prompts[r:r + 1], 10, [r])[0] for r in range(3)]
+    assert [r.continuation for r in refs] == [a.continuation for a in alone]
+    batch = fidelity.score(model, refs, lambda: make(model.config))
+    for ref, row in zip(alone, batch):
+        (single,) = fidelity.score(model, [ref], lambda: make(model.config))
+        assert row["nll"] == pytest.approx(single["nll"], rel=1e-4, abs=1e-5)
+        assert (row["top1_agreement"], row["agreement_length"], row["rouge_l"]) == (
+            single["top1_agreement"], single["agreement_length"], single["rouge_l"])
+
+
+def test_greedy_batch_stops_rows_independently(model):
+    prompts = torch.randint(1, 127, (2, 40))
+    free = greedy(model, prompts, DynamicCache(), 8)
+    stop = {free[0][2]}  # row 0 stops at its third token; row 1 only where it meets that token
+    rows = greedy(model, prompts, DynamicCache(), 8, stop)
+    assert rows[0] == free[0][:3]
+    cut = next((i + 1 for i, t in enumerate(free[1]) if t in stop), 8)
+    assert rows[1] == free[1][:cut]
 
 
 # ---- end to end ----------------------------------------------------------------------------------------
@@ -219,4 +250,57 @@ def test_tiny_run_end_to_end(model, tmp_path):
         assert (tmp_path / f).is_file()
     # A random model scores ~0 everywhere: those tasks are reported but kept out of the means.
     assert set(ret["counted"]) <= set(ret["tasks"])
-    assert "| policy |" in (tmp_path / "report.md").read_text()
+    text = (tmp_path / "report.md").read_text()
+    assert "| policy |" in text and "NLL / dense" in text
+    assert "| flexicache-R16-u25@64 | " in text  # FlexiCache minus each eviction baseline at budget 64
+    assert ret["samples"] == 1 and not results["truncated"]
+
+
+def test_time_limit_cuts_whole_samples_and_says_what(model, tmp_path):
+    cfg = EvalConfig(name="test", tasks=("niah_single", "frequent_words"), task_length=200, samples=2,
+                     budgets=(1 / 4,), families=("flexicache",), rerank_intervals=(), unstable_fractions=(),
+                     reach_lengths=(), fidelity_prompt=160, fidelity_length=4, fidelity_budgets=(64,),
+                     fidelity_families=("streaming",))
+    results = runner.run(model, CharTokenizer(), cfg, profile_name=None, progress=False, max_seconds=0)
+    assert results["tasks"] == [] and results["fidelity"] == []
+    assert results["truncated"] == ["task samples 1..2", "fidelity"]
+    report.write(results, cfg, tmp_path, "cmd", "### test")
+    assert "task samples 1..2; fidelity left out" in (tmp_path / "report.md").read_text()
+
+
+def test_config_parts_split_one_configuration():
+    cfg = full()
+    tasks, fid = only(cfg, "tasks"), only(cfg, "fidelity")
+    assert tasks.task_policies() == cfg.task_policies() and tasks.fidelity_docs == 0
+    assert fid.tasks == () and fid.reach_lengths == () and fid.fidelity_policies() == cfg.fidelity_policies()
+    assert only(cfg, "all") is cfg
+    with pytest.raises(ValueError):
+        only(cfg, "reach")
+
+
+def test_fidelity_documents_spread_over_sources():
+    from flexicache_hf.data import load_documents
+
+    docs = load_documents(None)
+    picked = fidelity.pick_documents(4, 7680)
+    assert picked == fidelity.pick_documents(4, 7680) and len(set(picked)) == 4
+    assert len({docs[i].source for i in picked}) == 3  # every source of the corpus, then round again
+    assert all(len(docs[i].text) > 3 * 7680 for i in picked)
+    with pytest.raises(ValueError, match="long enough"):
+        fidelity.pick_documents(10, 60_000)
+
+
+def test_fidelity_margins_compare_flexicache_with_each_eviction_baseline():
+    rows = [{"policy": p.label, "family": p.family, "budget_tokens": p.budget, "doc_index": 0, "nll": nll,
+             "top1_agreement": agree, "agreement_length": 1, "rouge_l": rl}
+            for p, nll, agree, rl in ((Policy("dense"), 1.0, 1.0, 1.0), (Policy("flexicache", 256), 1.1, 0.9, 0.8),
+                                      (Policy("flexicache", 256, 8, 0.5), 2.0, 0.1, 0.1),
+                                      (Policy("streaming", 256), 1.3, 0.85, 0.6), (Policy("snapkv", 256), 1.5, 0.7, 0.5))]
+    summary = report.fidelity_summary(rows)
+    assert summary["flexicache-R16-u25@256"]["nll_ratio"] == pytest.approx(1.1)
+    margins = report.fidelity_margins(summary)
+    assert set(margins) == {"flexicache-R16-u25@256", "flexicache-R8-u50@256"}
+    m = margins["flexicache-R16-u25@256"]
+    assert set(m) == {"streaming@256", "snapkv@256"}
+    assert m["streaming@256"]["top1_points"] == pytest.approx(5.0)
+    assert m["snapkv@256"]["rouge_points"] == pytest.approx(30.0)

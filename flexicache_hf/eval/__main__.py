@@ -12,7 +12,7 @@ import torch
 import flexicache_hf  # noqa: F401  (registers attn_implementation="flexicache")
 
 from . import report, runner
-from .grids import named_configs
+from .grids import PARTS, named_configs, only
 
 PROFILE_NAME = "SmolLM2-135M-Instruct"
 
@@ -20,6 +20,8 @@ PROFILE_NAME = "SmolLM2-135M-Instruct"
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m flexicache_hf.eval", description=__doc__)
     ap.add_argument("--config", choices=sorted(named_configs()), default="tiny")
+    ap.add_argument("--part", choices=PARTS, default="all",
+                    help="run only the reach curve and tasks, or only fidelity (one configuration in two sittings)")
     ap.add_argument("--out", type=Path, required=True, help="directory for results.json, report.md, figures")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
@@ -34,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ..models import load_default_model
 
-    cfg = named_configs()[args.config]()
+    cfg = only(named_configs()[args.config](), args.part)
     torch.manual_seed(cfg.seed)
     model, tok = load_default_model(gguf_path=args.gguf, dtype=getattr(torch, args.dtype), device=args.device)
     results = runner.run(model, tok, cfg, profile_name=PROFILE_NAME, corpus=args.corpus,

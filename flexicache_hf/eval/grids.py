@@ -23,13 +23,15 @@ class EvalConfig:
     unstable_fractions: tuple[float, ...] = (0.0, 0.25, 0.5)
     reach_lengths: tuple[int, ...] = (400, 800, 1600, 3200)  # dense niah_single accuracy curve
     reach_samples: int = 4
-    fidelity_docs: int = 1
+    fidelity_docs: int = 1  # documents picked by fidelity.pick_documents (spread over the corpus sources)
+    fidelity_doc_indices: tuple[int, ...] | None = None  # explicit documents instead (earlier runs' picks)
     fidelity_prompt: int = 4096
     fidelity_length: int = 512
     fidelity_budgets: tuple[int, ...] = (256, 512, 1024, 2048)
     fidelity_families: tuple[str, ...] = ("flexicache", "quest", "streaming", "snapkv", "lserve")
     fidelity_free_run: bool = True
     fidelity_extra: tuple[Policy, ...] = ()  # policies scored on fidelity beyond the budget x family grid
+    task_extra: tuple[Policy, ...] = ()  # policies run on the tasks beyond the budget x family grid and sweeps
     page_size: int = 16
     dense_floor: float = 0.1  # tasks where dense scores below this are reported but left out of means
     seed: int = 0
@@ -46,7 +48,7 @@ class EvalConfig:
                     p = Policy("flexicache", self.sweep_budget, r, u)
                     if p not in out:
                         out.append(p)
-        return out
+        return out + [p for p in self.task_extra if p not in out]
 
     def fidelity_policies(self) -> list[Policy]:
         out = [Policy("dense")]
@@ -66,23 +68,32 @@ def tiny() -> EvalConfig:
 
 
 def full() -> EvalConfig:
-    """The H200 configuration of the brief: budgets 1/16..1/4 of ~800-token tasks, fidelity at 4k-8k."""
-    return EvalConfig(name="full", samples=8, fidelity_docs=2, fidelity_prompt=4096, fidelity_length=512,
-                      reach_lengths=(400, 800, 1200, 2000, 3500), reach_samples=8)
+    """The configuration of the brief.  Tasks: budgets 1/16..1/4 of ~800-token prompts (where dense SmolLM2-135M
+    still scores on most tasks), 8 samples, the R x unstable-fraction sweep, and the paper's selection with a
+    sink page and two recent pages as an extra row.  Fidelity: 4 documents (spread over the corpus sources)
+    of 7,680 prompt tokens + 512 dense tokens — the model's whole 8k context — at budgets 1024/2048/512/256
+    (in that order, so a time limit drops the smallest budgets first), teacher-forced.
+
+    Too long for one 10-minute GPU command: run it as ``--part tasks`` and ``--part fidelity``.
+    """
+    extra = tuple(Policy("flexicache", b, 16, 0.25, "measured", 1, 2) for b in (1 / 8, 1 / 4))
+    return EvalConfig(name="full", samples=8, reach_lengths=(400, 800, 1200, 2000, 3500), reach_samples=8,
+                      task_extra=extra, fidelity_docs=4, fidelity_prompt=7680, fidelity_length=512,
+                      fidelity_budgets=(1024, 2048, 512, 256), fidelity_free_run=False)
 
 
 def gpu_short() -> EvalConfig:
     """What fits a few minutes of a shared H200: ``full``'s budgets and families, fewer samples, a smaller
-    sweep, one fidelity document scored teacher-forced only (no free runs)."""
+    sweep, one 4k-token fidelity document scored teacher-forced only."""
     return replace(full(), name="gpu-short", samples=2, rerank_intervals=(8, 32), unstable_fractions=(0.0, 0.5),
-                   reach_samples=4, fidelity_docs=1, fidelity_prompt=4096, fidelity_length=256,
-                   fidelity_budgets=(256, 1024), fidelity_free_run=False)
+                   reach_samples=4, task_extra=(), fidelity_docs=1, fidelity_prompt=4096, fidelity_length=256,
+                   fidelity_budgets=(256, 1024))
 
 
 def fidelity_3k() -> EvalConfig:
     """Generation fidelity only, CPU-sized: a 3k-token document, 128 dense tokens, budgets 256/512/1024 —
     FlexiCache against Quest-like (same selection, no tiers) and StreamingLLM (permanent eviction)."""
-    return EvalConfig(name="fidelity-3k", tasks=(), reach_lengths=(), fidelity_docs=2, fidelity_prompt=3072,
+    return EvalConfig(name="fidelity-3k", tasks=(), reach_lengths=(), fidelity_doc_indices=(0, 22), fidelity_prompt=3072,
                       fidelity_length=128, fidelity_budgets=(256, 512, 1024),
                       fidelity_families=("flexicache", "quest", "streaming"))
 
@@ -95,7 +106,7 @@ def profiles_3k() -> EvalConfig:
         for b in (256, 512)
         for u, kind in ((0.25, "measured"), (0.25, "random"), (0.0, "measured"), (1.0, "measured"))
     )
-    return EvalConfig(name="profiles-3k", tasks=(), reach_lengths=(), fidelity_docs=2, fidelity_prompt=3072,
+    return EvalConfig(name="profiles-3k", tasks=(), reach_lengths=(), fidelity_doc_indices=(0, 22), fidelity_prompt=3072,
                       fidelity_length=128, fidelity_budgets=(), fidelity_families=(), fidelity_free_run=False,
                       fidelity_extra=variants)
 
@@ -109,6 +120,40 @@ def sinks_3k() -> EvalConfig:
                       fidelity_extra=variants)
 
 
+PARTS = ("all", "tasks", "fidelity")
+
+
+def only(cfg: EvalConfig, part: str) -> EvalConfig:
+    """``cfg`` restricted to one part: ``tasks`` (reach curve + task grid) or ``fidelity`` — so a configuration
+    too long for one sitting (a lent GPU's per-command limit) runs as two commands with two reports."""
+    if part not in PARTS:
+        raise ValueError(f"part must be one of {PARTS}, got {part!r}")
+    if part == "tasks":
+        return replace(cfg, name=f"{cfg.name}/tasks", fidelity_docs=0, fidelity_doc_indices=None)
+    if part == "fidelity":
+        return replace(cfg, name=f"{cfg.name}/fidelity", tasks=(), reach_lengths=())
+    return cfg
+
+
+def recency_8k() -> EvalConfig:
+    """``full``'s fidelity documents (8k context) with FlexiCache keeping a sink page and a window of recent
+    pages in every re-rank — does recency close the gap to StreamingLLM on prose continuation?"""
+    variants = tuple(Policy("flexicache", b, 16, 0.25, "measured", 1, r)
+                     for b, r in ((1024, 4), (1024, 16), (512, 4), (512, 8), (256, 4), (2048, 16)))
+    return replace(full(), name="recency-8k", tasks=(), reach_lengths=(), fidelity_budgets=(),
+                   fidelity_families=(), fidelity_extra=variants)
+
+
+def free_8k() -> EvalConfig:
+    """Free-running ROUGE-L at 8k, budget 1024 (CPU-sized: one document): the paper's selection, the same with
+    a sink page and 4 recent pages, and every permanent-eviction baseline."""
+    extra = (Policy("flexicache", 1024, 16, 0.25, "measured", 1, 4),)
+    return replace(full(), name="free-8k", tasks=(), reach_lengths=(), fidelity_docs=1, fidelity_budgets=(1024,),
+                   fidelity_families=("flexicache", "streaming", "snapkv", "lserve"), fidelity_extra=extra,
+                   fidelity_free_run=True)
+
+
 def named_configs() -> dict:
     return {"tiny": tiny, "full": full, "gpu-short": gpu_short, "fidelity-3k": fidelity_3k,
-            "profiles-3k": profiles_3k, "sinks-3k": sinks_3k}
+            "profiles-3k": profiles_3k, "sinks-3k": sinks_3k, "recency-8k": recency_8k,
+            "free-8k": free_8k}

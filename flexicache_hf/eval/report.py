@@ -29,7 +29,9 @@ def retention(results: dict, cfg: EvalConfig) -> dict:
         per = {t: (scores[(p, t)] / dense[t] if dense[t] > 0 else None) for t in tasks}
         table[p] = {"score": {t: scores[(p, t)] for t in tasks}, "retention": per,
                     "mean_retention": mean(per[t] for t in counted) if counted else None}
-    return {"tasks": tasks, "counted": counted, "dense": dense, "policies": table}
+    per_task = [len({r["index"] for r in results["tasks"] if r["task"] == t}) for t in tasks]
+    return {"tasks": tasks, "counted": counted, "dense": dense, "policies": table,
+            "samples": min(per_task) if per_task else 0}
 
 
 def reach_curve(results: dict) -> dict:
@@ -50,32 +52,102 @@ def markdown(results: dict, cfg: EvalConfig, ret: dict, command: str, header: st
     lines = [header, "", f"Command: `{command}`", "",
              f"Run time {results['seconds'] / 60:.1f} min. FlexiCache head profiles used: "
              + "; ".join(f"u={k}: {v}" for k, v in results["profiles_used"].items())
-             + (" **Truncated by --max-minutes: fewer samples than configured.**" if results.get("truncated") else ""), ""]
+             + (" **Truncated by --max-minutes: " + "; ".join(results["truncated"]) + " left out.**"
+                if results.get("truncated") else ""), ""]
     curve = reach_curve(results)
     if curve:
         lines += ["Dense reach (niah_single accuracy by prompt length):", "",
                   "| tokens | " + " | ".join(str(k) for k in curve) + " |",
                   "|---|" + "---|" * len(curve), "| accuracy | " + " | ".join(_fmt(v) for v in curve.values()) + " |", ""]
     tasks = ret["tasks"]
-    ctx = {r["task"]: r["context_tokens"] for r in results["tasks"]}
+    ctx = {t: (min(v), round(mean(v)), max(v)) for t, v in _by_task_prompt_tokens(results["tasks"]).items()}
     if results["tasks"]:
         lines += _task_table(cfg, ret, tasks, ctx)
     if results["fidelity"]:
-        lines += [f"Long-generation fidelity (dense greedy continuation of {cfg.fidelity_length} tokens after "
-                  f"{cfg.fidelity_prompt} prompt tokens, mean over documents):", "",
-                  "| policy | NLL | top-1 agreement | agreement length | ROUGE-L vs dense |", "|---|---|---|---|---|"]
-        acc = defaultdict(list)
-        for r in results["fidelity"]:
-            acc[r["policy"]].append(r)
-        for p, rows in acc.items():
-            rl = [r["rouge_l"] for r in rows if "rouge_l" in r]
-            lines.append(f"| {p} | {mean(r['nll'] for r in rows):.3f} | {mean(r['top1_agreement'] for r in rows):.3f} | "
-                         f"{mean(r['agreement_length'] for r in rows):.0f} | {_fmt(mean(rl)) if rl else '–'} |")
+        lines += _fidelity_tables(cfg, results["fidelity"])
     return "\n".join(lines) + "\n"
 
 
+EVICTION_FAMILIES = ("streaming", "snapkv", "lserve")
+
+
+def fidelity_summary(rows: list[dict]) -> dict:
+    """Per policy: mean NLL, its ratio to dense, top-1 agreement, agreement length, ROUGE-L (when free-run)."""
+    acc = defaultdict(list)
+    for r in rows:
+        acc[r["policy"]].append(r)
+    dense = mean(r["nll"] for r in acc.get("dense", [])) if "dense" in acc else None
+    out = {}
+    for p, rs in acc.items():
+        rl = [r["rouge_l"] for r in rs if "rouge_l" in r]
+        nll = mean(r["nll"] for r in rs)
+        out[p] = {"family": rs[0]["family"], "budget_tokens": rs[0]["budget_tokens"], "docs": len(rs), "nll": nll,
+                  "nll_ratio": nll / dense if dense else None,
+                  "top1_agreement": mean(r["top1_agreement"] for r in rs),
+                  "agreement_length": mean(r["agreement_length"] for r in rs), "rouge_l": mean(rl) if rl else None}
+    return out
+
+
+def fidelity_margins(summary: dict) -> dict:
+    """Per FlexiCache policy: its lead over each permanent-eviction baseline run at the same budget, in points
+    of top-1 agreement (and of ROUGE-L when free runs were made)."""
+    out = {}
+    for p, row in summary.items():
+        if row["family"] != "flexicache":
+            continue
+        base = {q: r for q, r in summary.items()
+                if r["family"] in EVICTION_FAMILIES and r["budget_tokens"] == row["budget_tokens"]}
+        if base:
+            out[p] = {q: {"top1_points": 100 * (row["top1_agreement"] - r["top1_agreement"]),
+                          "rouge_points": None if row["rouge_l"] is None or r["rouge_l"] is None
+                          else 100 * (row["rouge_l"] - r["rouge_l"])} for q, r in base.items()}
+    return out
+
+
+def _fidelity_tables(cfg: EvalConfig, rows: list[dict]) -> list[str]:
+    summary = fidelity_summary(rows)
+    docs = sorted({r["doc_index"] for r in rows})
+    lines = [f"Long-generation fidelity (dense greedy continuation of {cfg.fidelity_length} tokens after "
+             f"{cfg.fidelity_prompt} prompt tokens; mean over {len(docs)} documents: corpus indices "
+             + ", ".join(map(str, docs)) + "):", "",
+             "| policy | NLL | NLL / dense | top-1 agreement | agreement length | ROUGE-L vs dense |",
+             "|---|---|---|---|---|---|"]
+    for p, r in summary.items():
+        ratio = "–" if r["nll_ratio"] is None else f"{r['nll_ratio']:.3f}"
+        lines.append(f"| {p} | {r['nll']:.3f} | {ratio} | {r['top1_agreement']:.3f} | {r['agreement_length']:.0f} | "
+                     f"{_fmt(r['rouge_l'])} |")
+    margins = fidelity_margins(summary)
+    if margins:
+        lines += ["", "FlexiCache minus each permanent-eviction baseline at the same budget (points of top-1 "
+                  "agreement; of ROUGE-L in brackets when free runs were made):", "",
+                  "| FlexiCache policy | " + " | ".join(EVICTION_FAMILIES) + " |",
+                  "|---|" + "---|" * len(EVICTION_FAMILIES)]
+        for p, vs in margins.items():
+            cells = []
+            for fam in EVICTION_FAMILIES:
+                hit = next((v for q, v in vs.items() if summary[q]["family"] == fam), None)
+                if hit is None:
+                    cells.append("–")
+                else:
+                    rp = "" if hit["rouge_points"] is None else f" ({hit['rouge_points']:+.1f})"
+                    cells.append(f"{hit['top1_points']:+.1f}{rp}")
+            lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    lines.append("")
+    return lines
+
+
+def _by_task_prompt_tokens(rows: list[dict]) -> dict:
+    seen = {(r["task"], r["index"]): r["context_tokens"] for r in rows}
+    out = defaultdict(list)
+    for (task, _), n in seen.items():
+        out[task].append(n)
+    return out
+
+
 def _task_table(cfg: EvalConfig, ret: dict, tasks, ctx) -> list[str]:
-    lines = [f"Task prompts ≈ {cfg.task_length} tokens, {cfg.samples} samples per task. Cells: retention = policy "
+    done = ret["samples"]
+    lines = [f"Task prompts ≈ {cfg.task_length} tokens, {done} samples per task"
+             + ("" if done == cfg.samples else f" (of {cfg.samples} configured)") + ". Cells: retention = policy "
               f"score / dense score. Tasks with dense < {cfg.dense_floor} are shown (marked *) but not in the mean.", "",
               "| policy | " + " | ".join(t + ("" if t in ret["counted"] else "*") for t in tasks) + " | mean |",
               "|---|" + "---|" * (len(tasks) + 1),
@@ -86,7 +158,8 @@ def _task_table(cfg: EvalConfig, ret: dict, tasks, ctx) -> list[str]:
         lines.append(f"| {p} | " + " | ".join(_fmt(row["retention"][t], True) for t in tasks)
                      + f" | **{_fmt(row['mean_retention'], True)}** |")
     lines.append("")
-    lines.append("Prompt tokens per task: " + ", ".join(f"{t} {n}" for t, n in ctx.items()))
+    lines.append("Prompt tokens per task (min / mean / max over samples): "
+                 + ", ".join(f"{t} {lo} / {m} / {hi}" for t, (lo, m, hi) in ctx.items()))
     lines.append("")
     return lines
 
@@ -99,6 +172,8 @@ def figures(results: dict, ret: dict, out: Path) -> list[Path]:
 
     paths = []
     by_policy = {r["policy"]: r for r in results["tasks"]}
+    if not results["tasks"]:
+        return paths + _fidelity_figure(results, out)
     fig, ax = plt.subplots(figsize=(6, 4))
     series = defaultdict(list)
     for p, row in ret["policies"].items():
@@ -122,7 +197,13 @@ def figures(results: dict, ret: dict, out: Path) -> list[Path]:
     paths.append(out / "retention_vs_budget.png")
     fig.savefig(paths[-1], dpi=120)
     plt.close(fig)
+    return paths + _fidelity_figure(results, out)
 
+
+def _fidelity_figure(results: dict, out: Path) -> list[Path]:
+    import matplotlib.pyplot as plt
+
+    paths = []
     if results["fidelity"]:
         fig, axes = plt.subplots(1, 2, figsize=(10, 4))
         fam = defaultdict(lambda: defaultdict(list))
@@ -155,8 +236,10 @@ def write(results: dict, cfg: EvalConfig, out: Path, command: str, header: str) 
     """JSON (raw rows + retention), figures and ``report.md`` into ``out``; returns the retention table."""
     out.mkdir(parents=True, exist_ok=True)
     ret = retention(results, cfg)
+    fid = fidelity_summary(results["fidelity"])
     (out / "results.json").write_text(json.dumps({"config": {k: v for k, v in vars(cfg).items() if k != "extra"},
-                                                  "command": command, "retention": ret,
+                                                  "command": command, "retention": ret, "fidelity_summary": fid,
+                                                  "fidelity_margins": fidelity_margins(fid),
                                                   "reach": reach_curve(results), **results}, indent=1, default=str))
     figures(results, ret, out)
     (out / "report.md").write_text(markdown(results, cfg, ret, command, header))

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from tqdm import tqdm
 
-from ..data import long_prompt, load_documents
+from ..data import long_prompt
 from . import fidelity
 from .decoding import greedy, stop_ids
 from .grids import EvalConfig
@@ -14,30 +16,20 @@ from .policies import Policy, ProfileSource, make_cache
 from .tasks import make_samples, render
 
 
-def _fidelity_docs(tokenizer, cfg: EvalConfig, corpus) -> list[int]:
-    """Document indices (evenly spread over the corpus) whose source holds a full fidelity prompt."""
-    docs = load_documents(corpus)
-    step = max(1, len(docs) // (4 * cfg.fidelity_docs))
-    picked = []
-    for i in range(0, len(docs), step):
-        if len(docs[i].text) > 3 * cfg.fidelity_prompt:  # ~4 chars/token: one document fills the prompt
-            picked.append(i)
-        if len(picked) == cfg.fidelity_docs:
-            break
-    return picked
-
-
 def run(model, tokenizer, cfg: EvalConfig, *, profile_name: str | None, corpus=None, progress: bool = True,
         max_seconds: float | None = None, kernels: str | None = None) -> dict:
     """Every measurement of ``cfg``; returns the raw rows (the report turns them into tables).
 
     ``max_seconds``: a wall-clock guard for lent machines — once passed, remaining samples are skipped
-    (whole samples, so every reported sample has every policy) and ``truncated`` says so.
+    (whole samples, so every reported sample has every policy; whole fidelity policies) and ``truncated``
+    lists what was left out.
     """
     profiles = ProfileSource(model.config, profile_name, cfg.seed)
     stop = stop_ids(model, tokenizer)
     task_policies, fid_policies = cfg.task_policies(), cfg.fidelity_policies()
-    fid_docs = _fidelity_docs(tokenizer, cfg, corpus) if cfg.fidelity_docs else []
+    fid_docs = (list(cfg.fidelity_doc_indices) if cfg.fidelity_doc_indices is not None
+                else fidelity.pick_documents(cfg.fidelity_docs, cfg.fidelity_prompt, corpus) if cfg.fidelity_docs
+                else [])
     total = (len(cfg.reach_lengths) * cfg.reach_samples + len(cfg.tasks) * cfg.samples * len(task_policies)
              + len(fid_docs) * len(fid_policies))
     bar = tqdm(total=total, disable=not progress, desc=f"eval {cfg.name}", unit="run")
@@ -47,7 +39,7 @@ def run(model, tokenizer, cfg: EvalConfig, *, profile_name: str | None, corpus=N
     def answer(sample, policy: Policy, ids) -> dict:
         cache = make_cache(policy, model.config, ids.shape[1], profiles, page_size=cfg.page_size,
                            kernels=kernels)
-        out = greedy(model, ids, cache, sample.max_new_tokens, stop)
+        (out,) = greedy(model, ids, cache, sample.max_new_tokens, stop)
         text = tokenizer.decode(out, skip_special_tokens=True)
         bar.update()
         return {"task": sample.task, "index": sample.index, "policy": policy.label, "family": policy.family,
@@ -63,30 +55,40 @@ def run(model, tokenizer, cfg: EvalConfig, *, profile_name: str | None, corpus=N
             row = answer(s, Policy("dense"), render(tokenizer, s.context, s.question, s.answer_prefix))
             reach.append({**row, "target_tokens": n})
 
+    skipped: list[str] = []  # what the time limit left out
     tasks = []
-    for task in cfg.tasks:
-        for s in make_samples(tokenizer, task, cfg.task_length, cfg.samples, cfg.seed, corpus):
-            if late():
-                break
+    samples = {t: make_samples(tokenizer, t, cfg.task_length, cfg.samples, cfg.seed, corpus) for t in cfg.tasks}
+    for i in range(cfg.samples):  # sample-major: a time limit leaves every task with the same sample count
+        if late():
+            skipped.append(f"task samples {i + 1}..{cfg.samples}")
+            break
+        for task in cfg.tasks:
+            s = samples[task][i]
             ids = render(tokenizer, s.context, s.question, s.answer_prefix)
             for p in task_policies:
-                bar.set_postfix_str(f"{task} {p.label}")
+                bar.set_postfix_str(f"{task} #{i} {p.label}")
                 tasks.append(answer(s, p, ids))
 
     fid = []
-    for d in fid_docs:
-        if late():
-            break
-        prompt = long_prompt(tokenizer, cfg.fidelity_prompt, doc_index=d, path=corpus)
-        ref = fidelity.reference(model, prompt, cfg.fidelity_length, d)
-        for p in fid_policies:
-            bar.set_postfix_str(f"fidelity doc {d} {p.label}")
-            row = fidelity.score(model, ref, lambda p=p: make_cache(p, model.config, prompt.shape[1], profiles,
-                                                                      page_size=cfg.page_size, kernels=kernels),
-                                 free_run=cfg.fidelity_free_run)
-            fid.append({"doc_index": d, "policy": p.label, "family": p.family, "budget_tokens": p.budget,
-                        "prompt_tokens": prompt.shape[1], "length": len(ref.continuation), **row})
-            bar.update()
+    if fid_docs and late():
+        skipped.append("fidelity")
+    elif fid_docs:
+        # All documents as one batch: each prompt is exactly `fidelity_prompt` tokens.
+        prompts = torch.cat([long_prompt(tokenizer, cfg.fidelity_prompt, doc_index=d, path=corpus) for d in fid_docs])
+        refs = fidelity.references(model, prompts, cfg.fidelity_length, fid_docs)
+        for p in fid_policies:  # in grid order, so a time limit drops the last-listed policies first
+            if late():
+                skipped.append("fidelity policies from " + p.label)
+                break
+            bar.set_postfix_str(f"fidelity {len(refs)} docs {p.label}")
+            rows = fidelity.score(model, refs, lambda p=p: make_cache(p, model.config, prompts.shape[1], profiles,
+                                                                        page_size=cfg.page_size, kernels=kernels),
+                                  free_run=cfg.fidelity_free_run)
+            for ref, row in zip(refs, rows):
+                fid.append({"doc_index": ref.doc_index, "policy": p.label, "family": p.family,
+                            "budget_tokens": p.budget, "prompt_tokens": prompts.shape[1],
+                            "length": len(ref.continuation), **row})
+            bar.update(len(refs))
     bar.close()
     return {"reach": reach, "tasks": tasks, "fidelity": fid, "profiles_used": {str(k): v for k, v in profiles.used.items()},
-            "seconds": time.time() - t0, "truncated": late()}
+            "seconds": time.time() - t0, "truncated": skipped}
