@@ -84,6 +84,23 @@ def test_tasks_are_deterministic_and_answerable():
     assert [counts[w] for w in fwe.answers] == top[:3] and top[2] > top[3]  # no tie at the cut
 
 
+def test_tasks_do_not_depend_on_the_string_hash_seed():
+    """Samples are the same in every process (a set's order follows PYTHONHASHSEED; none may leak in)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys, hashlib; sys.path.insert(0, %r); from test_eval import CharTokenizer; "
+            "from flexicache_hf.eval.tasks import make_samples, task_makers; "
+            "print(hashlib.sha256(repr([(s.context, s.question, s.answers) for t in sorted(task_makers()) "
+            "for s in make_samples(CharTokenizer(), t, 400, 2, seed=5)]).encode()).hexdigest())"
+            % str(Path(__file__).parent))
+    digests = {subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed},
+                              capture_output=True, text=True, check=True).stdout for seed in ("1", "2", "3")}
+    assert len(digests) == 1
+
+
 # ---- eviction caches -----------------------------------------------------------------------------------
 def _track(cache: EvictionCache, log: list):
     """Wrap every layer's update to record (mask kv length announced before, keys returned, stored after)."""

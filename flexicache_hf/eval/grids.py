@@ -153,7 +153,15 @@ def free_8k() -> EvalConfig:
                    fidelity_free_run=True)
 
 
+def pages8_tasks() -> EvalConfig:
+    """``full``'s tasks with 8-token pages: does a finer page grain lift the min/max selection at 6-12 pages'
+    worth of budget?  FlexiCache (R16 u25) and Quest-like at 1/8 and 1/4."""
+    return replace(full(), name="pages8-tasks", page_size=8, reach_lengths=(), budgets=(1 / 8, 1 / 4),
+                   families=("flexicache", "quest"), rerank_intervals=(), unstable_fractions=(), task_extra=(),
+                   fidelity_docs=0)
+
+
 def named_configs() -> dict:
     return {"tiny": tiny, "full": full, "gpu-short": gpu_short, "fidelity-3k": fidelity_3k,
             "profiles-3k": profiles_3k, "sinks-3k": sinks_3k, "recency-8k": recency_8k,
-            "free-8k": free_8k}
+            "free-8k": free_8k, "pages8-tasks": pages8_tasks}

@@ -102,10 +102,12 @@ def _insert(paras: list[str], items: list[str], rng: random.Random) -> str:
 def _words(rng: random.Random, n: int, corpus=None) -> list[str]:
     """``n`` distinct two-word keys like "quoting-directory" (unlikely to occur in the haystack)."""
     vocab = sorted({w.lower() for w in re.findall(r"\b[A-Za-z]{5,10}\b", " ".join(_paragraphs(corpus)[:400]))})
-    keys: set[str] = set()
+    keys: list[str] = []  # a list, not a set: a set's order follows the process's string-hash seed
     while len(keys) < n:
-        keys.add(f"{rng.choice(vocab)}-{rng.choice(vocab)}")
-    return sorted(keys, key=lambda _: rng.random())
+        key = f"{rng.choice(vocab)}-{rng.choice(vocab)}"
+        if key not in keys:
+            keys.append(key)
+    return keys
 
 
 def _numbers(rng: random.Random, n: int) -> list[str]:
