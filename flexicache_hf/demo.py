@@ -34,6 +34,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--budget", type=int, default=512, help="token budget per KV head and step")
     ap.add_argument("--rerank-interval", type=int, default=16)
+    ap.add_argument("--sink-pages", type=int, default=0, help="first pages every re-rank keeps (paper: 0)")
+    ap.add_argument("--recent-pages", type=int, default=0, help="newest pages every re-rank keeps (paper: 0)")
     ap.add_argument("--profile", default=DEMO_PROFILE, help="profile name, path, or shipped model name")
     ap.add_argument("--gguf", default=None, help="path of the SmolLM2 GGUF (default: the embedded one)")
     ap.add_argument("--no-dense", action="store_true", help="skip the DynamicCache comparison run")
@@ -47,7 +49,8 @@ def main(argv=None) -> dict:
                for d in docs if len(d.text) > 40000)  # the first long Python-docs chapter
     ids = build_prompt(tok, doc, "Summarise the document above in a few paragraphs.", args.prompt_tokens)
     profile = resolve_profile(args.profile)
-    cfg = FlexiCacheConfig(token_budget=args.budget, rerank_interval=args.rerank_interval)
+    cfg = FlexiCacheConfig(token_budget=args.budget, rerank_interval=args.rerank_interval,
+                           sink_pages=args.sink_pages, recent_pages=args.recent_pages)
     cache = FlexiCache(profile, cfg, model_config=model.config, count_pages=True)
     gen = dict(max_new_tokens=args.new_tokens, do_sample=False, attention_mask=torch.ones_like(ids))
 
@@ -60,6 +63,7 @@ def main(argv=None) -> dict:
 
     report = {"document": doc.title, "prompt_tokens": ids.shape[1], "new_tokens": int(new.numel()),
               "token_budget": args.budget, "page_size": cfg.page_size, "rerank_interval": cfg.rerank_interval,
+              "sink_pages": cfg.sink_pages, "recent_pages": cfg.recent_pages,
               "unstable_heads": len(profile.unstable), "heads": profile.model.num_layers * profile.model.num_kv_heads,
               "seconds_flexicache": t_fc, **cache.memory_report()}
     st = cache.stats
@@ -84,7 +88,9 @@ def main(argv=None) -> dict:
     print(f"document            {report['document']!r}")
     print(f"prompt / new tokens {report['prompt_tokens']} / {report['new_tokens']}")
     print(f"token budget        {args.budget} tokens = {args.budget // cfg.page_size} pages of {cfg.page_size} "
-          f"per KV head (context: {report['pages_in_context']} pages)")
+          f"per KV head (context: {report['pages_in_context']} pages)"
+          + (f", {cfg.sink_pages} sink + {cfg.recent_pages} recent pages kept" if cfg.sink_pages or cfg.recent_pages
+             else ""))
     print(f"unstable heads      {report['unstable_heads']} of {report['heads']} (profile {profile.model.name or args.profile})")
     print(f"pages attended      {report['pages_per_head_step']:.1f} per KV head per decode step")
     print(f"heads re-ranked     {100 * report['head_rerank_fraction']:.0f}% of (layer, head) steps; "

@@ -1,0 +1,12 @@
+"""`make demo`'s job, small: generate with FlexiCache on the embedded SmolLM2 and report what it saved."""
+
+from flexicache_hf import demo
+
+
+def test_demo_reports_savings_and_its_selection_options(capsys):
+    report = demo.main(["--prompt-tokens", "600", "--new-tokens", "6", "--budget", "128", "--no-dense",
+                        "--sink-pages", "1", "--recent-pages", "2"])
+    assert report["new_tokens"] == 6 and (report["sink_pages"], report["recent_pages"]) == (1, 2)
+    assert report["device_bytes"] < report["dense_bytes"]  # 128 of ~600 tokens on the device for stable heads
+    assert report["pages_per_head_step"] == 128 // 16
+    assert "1 sink + 2 recent pages kept" in capsys.readouterr().out
