@@ -48,7 +48,7 @@ def _fmt(x, pct=False) -> str:
     return f"{100 * x:.0f}%" if pct else f"{x:.2f}"
 
 
-def markdown(results: dict, cfg: EvalConfig, ret: dict, command: str, header: str) -> str:
+def markdown(results: dict, cfg: EvalConfig, ret: dict, fidelity: dict, command: str, header: str) -> str:
     lines = [header, "", f"Command: `{command}`", "",
              f"Run time {results['seconds'] / 60:.1f} min. FlexiCache head profiles used: "
              + "; ".join(f"u={k}: {v}" for k, v in results["profiles_used"].items())
@@ -64,7 +64,7 @@ def markdown(results: dict, cfg: EvalConfig, ret: dict, command: str, header: st
     if results["tasks"]:
         lines += _task_table(cfg, ret, tasks, ctx)
     if results["fidelity"]:
-        lines += _fidelity_tables(cfg, results["fidelity"])
+        lines += _fidelity_tables(cfg, results["fidelity"], fidelity)
     return "\n".join(lines) + "\n"
 
 
@@ -76,7 +76,7 @@ def fidelity_summary(rows: list[dict]) -> dict:
     acc = defaultdict(list)
     for r in rows:
         acc[r["policy"]].append(r)
-    dense = mean(r["nll"] for r in acc.get("dense", [])) if "dense" in acc else None
+    dense = mean(r["nll"] for r in acc["dense"]) if "dense" in acc else None
     out = {}
     for p, rs in acc.items():
         rl = [r["rouge_l"] for r in rs if "rouge_l" in r]
@@ -104,8 +104,7 @@ def fidelity_margins(summary: dict) -> dict:
     return out
 
 
-def _fidelity_tables(cfg: EvalConfig, rows: list[dict]) -> list[str]:
-    summary = fidelity_summary(rows)
+def _fidelity_tables(cfg: EvalConfig, rows: list[dict], summary: dict) -> list[str]:
     docs = sorted({r["doc_index"] for r in rows})
     lines = [f"Long-generation fidelity (dense greedy continuation of {cfg.fidelity_length} tokens after "
              f"{cfg.fidelity_prompt} prompt tokens; mean over {len(docs)} documents: corpus indices "
@@ -164,7 +163,7 @@ def _task_table(cfg: EvalConfig, ret: dict, tasks, ctx) -> list[str]:
     return lines
 
 
-def figures(results: dict, ret: dict, out: Path) -> list[Path]:
+def figures(results: dict, ret: dict, fidelity: dict, out: Path) -> list[Path]:
     """Budget sweep of mean retention per family, and fidelity NLL / ROUGE-L by token budget."""
     import matplotlib
     matplotlib.use("Agg")  # headless machines
@@ -173,7 +172,7 @@ def figures(results: dict, ret: dict, out: Path) -> list[Path]:
     paths = []
     by_policy = {r["policy"]: r for r in results["tasks"]}
     if not results["tasks"]:
-        return paths + _fidelity_figure(results, out)
+        return paths + _fidelity_figure(fidelity, out)
     fig, ax = plt.subplots(figsize=(6, 4))
     series = defaultdict(list)
     for p, row in ret["policies"].items():
@@ -197,39 +196,39 @@ def figures(results: dict, ret: dict, out: Path) -> list[Path]:
     paths.append(out / "retention_vs_budget.png")
     fig.savefig(paths[-1], dpi=120)
     plt.close(fig)
-    return paths + _fidelity_figure(results, out)
+    return paths + _fidelity_figure(fidelity, out)
 
 
-def _fidelity_figure(results: dict, out: Path) -> list[Path]:
+def _fidelity_figure(summary: dict, out: Path) -> list[Path]:
+    """NLL and ROUGE-L (or top-1 agreement) against budget, one line per policy (its label without the budget)."""
     import matplotlib.pyplot as plt
 
-    paths = []
-    if results["fidelity"]:
-        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-        fam = defaultdict(lambda: defaultdict(list))
-        dense_nll = mean(r["nll"] for r in results["fidelity"] if r["family"] == "dense")
-        for r in results["fidelity"]:
-            if r["family"] != "dense":
-                fam[r["family"]][r["budget_tokens"]].append(r)
-        for name, pts in sorted(fam.items()):
-            xs = sorted(pts)
-            axes[0].plot(xs, [mean(r["nll"] for r in pts[x]) for x in xs], marker="o", label=name)
-            if all("rouge_l" in r for x in xs for r in pts[x]):
-                axes[1].plot(xs, [mean(r["rouge_l"] for r in pts[x]) for x in xs], marker="o", label=name)
-            else:
-                axes[1].plot(xs, [mean(r["top1_agreement"] for r in pts[x]) for x in xs], marker="o", label=name)
-        axes[0].axhline(dense_nll, color="grey", lw=0.8, ls="--", label="dense")
-        axes[0].set_ylabel("teacher-forced NLL of the dense continuation")
-        axes[1].set_ylabel("ROUGE-L vs dense (or top-1 agreement without free runs)")
-        for a in axes:
-            a.set_xscale("log", base=2)
-            a.set_xlabel("token budget")
-            a.legend(fontsize=8)
-        fig.tight_layout()
-        paths.append(out / "fidelity_vs_budget.png")
-        fig.savefig(paths[-1], dpi=120)
-        plt.close(fig)
-    return paths
+    if not summary:
+        return []
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    lines = defaultdict(list)
+    for p, r in summary.items():
+        if r["family"] != "dense":
+            lines[p.split("@")[0]].append(r)
+    for name, rows in sorted(lines.items()):
+        rows.sort(key=lambda r: r["budget_tokens"])
+        xs = [r["budget_tokens"] for r in rows]
+        axes[0].plot(xs, [r["nll"] for r in rows], marker="o", label=name)
+        right = "rouge_l" if all(r["rouge_l"] is not None for r in rows) else "top1_agreement"
+        axes[1].plot(xs, [r[right] for r in rows], marker="o", label=name)
+    if "dense" in summary:
+        axes[0].axhline(summary["dense"]["nll"], color="grey", lw=0.8, ls="--", label="dense")
+    axes[0].set_ylabel("teacher-forced NLL of the dense continuation")
+    axes[1].set_ylabel("ROUGE-L vs dense (or top-1 agreement without free runs)")
+    for a in axes:
+        a.set_xscale("log", base=2)
+        a.set_xlabel("token budget")
+        a.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "fidelity_vs_budget.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return [path]
 
 
 def write(results: dict, cfg: EvalConfig, out: Path, command: str, header: str) -> dict:
@@ -241,6 +240,6 @@ def write(results: dict, cfg: EvalConfig, out: Path, command: str, header: str) 
                                                   "command": command, "retention": ret, "fidelity_summary": fid,
                                                   "fidelity_margins": fidelity_margins(fid),
                                                   "reach": reach_curve(results), **results}, indent=1, default=str))
-    figures(results, ret, out)
-    (out / "report.md").write_text(markdown(results, cfg, ret, command, header))
+    figures(results, ret, fid, out)
+    (out / "report.md").write_text(markdown(results, cfg, ret, fid, command, header))
     return ret

@@ -27,9 +27,10 @@ def run(model, tokenizer, cfg: EvalConfig, *, profile_name: str | None, corpus=N
     profiles = ProfileSource(model.config, profile_name, cfg.seed)
     stop = stop_ids(model, tokenizer)
     task_policies, fid_policies = cfg.task_policies(), cfg.fidelity_policies()
-    fid_docs = (list(cfg.fidelity_doc_indices) if cfg.fidelity_doc_indices is not None
-                else fidelity.pick_documents(cfg.fidelity_docs, cfg.fidelity_prompt, corpus) if cfg.fidelity_docs
-                else [])
+    if cfg.fidelity_doc_indices is not None:
+        fid_docs = list(cfg.fidelity_doc_indices)
+    else:
+        fid_docs = fidelity.pick_documents(cfg.fidelity_docs, cfg.fidelity_prompt, corpus)
     total = (len(cfg.reach_lengths) * cfg.reach_samples + len(cfg.tasks) * cfg.samples * len(task_policies)
              + len(fid_docs) * len(fid_policies))
     bar = tqdm(total=total, disable=not progress, desc=f"eval {cfg.name}", unit="run")
