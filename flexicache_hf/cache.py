@@ -107,16 +107,19 @@ class FlexiCacheLayer(CacheLayerMixin):
         self.slot_heads, self.full_heads = as_index(slot_heads), as_index(full_heads)
         layout = PoolLayout(B, len(slot_heads), 0, len(full_heads), 0)  # sized by the first update
         self.pool = PagePool(layout, self.full_heads, self.slot_heads, H, cfg.page_size, D, self.dtype, self.device)
+        self.copies = CopyStream(self.device)
         self.host = HostTier(B, len(slot_heads), cfg.page_size, D, self.dtype, self.device,
-                             cfg.host_memory_limit, self.owner.host_bytes)
+                             cfg.host_memory_limit, self.owner.host_bytes, self.copies, self.ops)
         self.slots = SlotTable(self.pool, self.device)
         self.reranker = Reranker(B, H, self.unstable, cfg.budget_pages, cfg.rerank_interval,
                                  cfg.max_recent_pages, self.device, cfg.sink_pages, cfg.recent_pages)
         self.kmin = torch.empty((B, H, 0, D), dtype=self.dtype, device=self.device)
         self.kmax = torch.empty_like(self.kmin)
         self.valid_lo = torch.zeros(B, dtype=torch.long, device=self.device)
-        self.copies = CopyStream(self.device)
         self.tail_phys = None  # [B, slot_heads] physical page of the newest page of offloaded heads
+        # A prompt chunk's offload runs on the copy stream while the next layers compute; the compute stream
+        # joins it only before it next touches this layer's slots (the following decode step).
+        self.copies_pending = False
         self.seq_len = 0
         self.is_initialized = True
 
@@ -125,10 +128,13 @@ class FlexiCacheLayer(CacheLayerMixin):
         return self.pool.layout.page_capacity
 
     def _ensure_capacity(self, end: int) -> None:
+        """Room for ``end`` tokens: everything sized once for ``max_cache_len`` when the cache has one, else
+        grown with headroom (amortised O(1) per token)."""
         need = num_pages(end, self.config.page_size)
-        cap = grown_capacity(need, self.page_capacity)
-        if cap == self.page_capacity:
+        if need <= self.page_capacity:
             return
+        max_len = self.owner.max_cache_len
+        cap = num_pages(max_len, self.config.page_size) if max_len is not None else grown_capacity(need, self.page_capacity)
         self.host.grow(cap)  # first: it is the one that may refuse (host memory), before anything changes
         # Offloaded heads never need more slots than pages exist, so short contexts do not pay for the budget.
         slots = min(self.config.resident_slots, cap) if self.slot_heads.numel() else 0
@@ -155,6 +161,11 @@ class FlexiCacheLayer(CacheLayerMixin):
         end = start + T
         if limit is not None and end > limit:
             raise ValueError(f"{end} tokens exceed the model's context of {limit} positions (max_position_embeddings)")
+        max_len = self.owner.max_cache_len
+        if max_len is not None and end > max_len:
+            raise ValueError(f"{end} tokens exceed this cache's max_cache_len={max_len}; make the cache with a "
+                             "larger max_cache_len (prompt length + max_new_tokens), or without one to let it grow")
+        self._join_copies()  # before growth re-lays the pool, and before a decode token enters a slot
         self._ensure_capacity(end)
         if self.full_heads.numel():
             self.pool.full_tokens("k")[:, :, start:end] = key_states[:, self.full_heads]
@@ -198,8 +209,14 @@ class FlexiCacheLayer(CacheLayerMixin):
             self.tail_phys = self.slots.place_new_page(newest)
             pages = torch.full_like(self.tail_phys, newest)[..., None]
             load_promoted(self.ops, self.pool, self.host, pages, self.tail_phys[..., None])
-        self.copies.hand_off()
+        self.copies_pending = True  # joined by the next decode step, not now: later layers overlap the copy
         self.reranker.step = 0
+
+    def _join_copies(self) -> None:
+        """Make the compute stream wait for this layer's queued tier copies (no host synchronisation)."""
+        if self.copies_pending:
+            self.copies.hand_off()
+            self.copies_pending = False
 
     def _flush_newest_page(self) -> None:
         """Copy the newest page of the offloaded heads to the host while it is partly filled: decode tokens
@@ -287,9 +304,13 @@ class FlexiCacheLayer(CacheLayerMixin):
             keys[:, self.full_heads] = self.pool.full_tokens("k")[:, :, :end]
             values[:, self.full_heads] = self.pool.full_tokens("v")[:, :, :end]
         if self.slot_heads.numel():
+            hk = torch.empty((B, self.slot_heads.numel(), end, D), dtype=self.dtype, device=self.device)
+            hv = torch.empty_like(hk)
             self._flush_newest_page()
+            with copy_context(self.copies):
+                self.host.read_tokens(hk, hv)
             self.copies.hand_off()
-            hk, hv = self.host.read_tokens(end, self.device)
+            self.copies_pending = False
             keys[:, self.slot_heads], values[:, self.slot_heads] = hk, hv
         return keys, values
 
@@ -306,6 +327,8 @@ class FlexiCacheLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
+        if self.is_initialized:
+            self.copies.synchronize()  # queued copies must not land in host blocks handed to another cache
         for name in ("pool", "host", "slots", "reranker", "kmin", "kmax", "valid_lo", "tail_phys"):
             self.__dict__.pop(name, None)
         self.seq_len = 0
@@ -340,6 +363,7 @@ class FlexiCacheLayer(CacheLayerMixin):
         if not self.is_initialized:
             return
         index = index.to(self.device).long()
+        self._join_copies()
         old = self.pool.layout
         B = index.numel()
         new = PoolLayout(B, old.num_slot_heads, old.slots, old.num_full_heads, old.page_capacity)
@@ -357,9 +381,7 @@ class FlexiCacheLayer(CacheLayerMixin):
         self.slots._set_table(slot_page, self.slots.slot_phys)
         self.slots.slot_page = slot_page
         if self.host.k is not None:
-            self.host.k, self.host.v = self.host.k[index.cpu()], self.host.v[index.cpu()]
-            if self.device.type == "cuda":
-                self.host.k, self.host.v = self.host.k.pin_memory(), self.host.v.pin_memory()
+            self.host.select_rows(index)
         self.host.batch = B
         self.kmin, self.kmax, self.valid_lo = self.kmin[index], self.kmax[index], self.valid_lo[index]
         self.reranker.select_rows(index)
@@ -398,11 +420,14 @@ class FlexiCache(Cache):
         observer: a :class:`SelectionObserver` told of every re-rank (the stability profiler uses it).
         kernels: ``"reference"`` forces the PyTorch reference kernels on any device.
         count_pages: count attended pages per step in ``stats`` (one host sync per layer and step).
+        max_cache_len: the most tokens this cache will hold (prompt + ``max_new_tokens``, as for
+            ``StaticCache``).  Device pools, MinMax cache, tables and the pinned host tier are then allocated
+            once, at the first forward, and a longer sequence is refused; without it they grow with headroom.
     """
 
     def __init__(self, profile: HeadProfile | str | os.PathLike, config: FlexiCacheConfig | None = None, *,
                  model_config=None, observer: SelectionObserver | None = None, kernels: str | None = None,
-                 count_pages: bool = False, profiles_dir=None, **config_fields):
+                 count_pages: bool = False, max_cache_len: int | None = None, profiles_dir=None, **config_fields):
         if config is not None and config_fields:
             raise TypeError("pass either a FlexiCacheConfig or its fields as keywords, not both")
         self.config = config if config is not None else FlexiCacheConfig(**config_fields)
@@ -410,6 +435,10 @@ class FlexiCache(Cache):
         if kernels not in (None, "reference"):
             raise ValueError(f"kernels must be None or 'reference', got {kernels!r}")
         self.kernels, self.observer, self.count_pages = kernels, observer, count_pages
+        if max_cache_len is not None and (isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int)
+                                          or max_cache_len < 1):
+            raise ValueError(f"max_cache_len must be None or a positive number of tokens, got {max_cache_len!r}")
+        self.max_cache_len = max_cache_len
         self.stats = CacheStats()
         self.max_positions = None
         self._checked_config = None
@@ -435,7 +464,11 @@ class FlexiCache(Cache):
                 f"FlexiCache serves full-attention layers only; this model has {odd or ['sliding_window=' + str(window)]}. "
                 "(For checkpoints trained with full attention, e.g. Mistral v0.2+, set config.sliding_window=None.)"
             )
-        self.max_positions = getattr(model_config, "max_position_embeddings", None)
+        limit = getattr(model_config, "max_position_embeddings", None)
+        if limit is not None and self.max_cache_len is not None and self.max_cache_len > limit:
+            raise ValueError(f"max_cache_len={self.max_cache_len} exceeds the model's context of {limit} positions "
+                             "(max_position_embeddings): shorten the prompt or max_new_tokens")
+        self.max_positions = limit
         self._checked_config = model_config
 
     def host_bytes(self) -> int:

@@ -26,11 +26,24 @@ class FlexiCachePipeline(TextGenerationPipeline):
         self.flexicache_config = flexicache_config or FlexiCacheConfig()
         self.last_cache: FlexiCache | None = None  # the most recent call's cache, for its stats
 
-    def new_cache(self) -> FlexiCache:
-        return FlexiCache(self.flexicache_profile, self.flexicache_config, model_config=self.model.config)
+    def new_cache(self, max_cache_len: int | None = None) -> FlexiCache:
+        return FlexiCache(self.flexicache_profile, self.flexicache_config, model_config=self.model.config,
+                          max_cache_len=max_cache_len)
+
+    @staticmethod
+    def _max_cache_len(model_inputs, generate_kwargs) -> int | None:
+        """Prompt length + ``max_new_tokens`` when the call names it, as ``generate`` sizes a ``StaticCache``:
+        the cache is then allocated once, and a prompt that cannot fit the model's context with its new tokens
+        is refused before any work.  ``None`` (the cache grows) otherwise: the pipeline's and the model's
+        generation defaults merge differently across transformers releases, and a guessed length that is
+        too short would fail mid-generation."""
+        ids, new = model_inputs.get("input_ids"), generate_kwargs.get("max_new_tokens")
+        if ids is None or isinstance(new, bool) or not isinstance(new, int):
+            return None
+        return ids.shape[-1] + new
 
     def _forward(self, model_inputs, **generate_kwargs):
         if "past_key_values" in generate_kwargs or "cache" in generate_kwargs:
             raise ValueError("FlexiCachePipeline makes its own cache per call; do not pass past_key_values")
-        self.last_cache = self.new_cache()
+        self.last_cache = self.new_cache(self._max_cache_len(model_inputs, generate_kwargs))
         return super()._forward(model_inputs, past_key_values=self.last_cache, **generate_kwargs)

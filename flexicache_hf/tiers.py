@@ -16,6 +16,7 @@ never on the host.
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 
@@ -52,57 +53,110 @@ class CopyStream:
         if self.cuda:
             torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
 
+    def keep_alive(self, *tensors: torch.Tensor) -> None:
+        """Device tensors made on the compute stream and read by copies queued here: the caching allocator
+        must not hand their memory out again before those copies ran."""
+        if self.cuda:
+            for t in tensors:
+                t.record_stream(self.stream)
+
+    def synchronize(self) -> None:
+        """Wait on the host for every copy issued so far (before the CPU itself touches the host tier)."""
+        if self.cuda and torch.cuda.is_initialized():
+            self.stream.synchronize()
+
 
 class HostTier:
-    """Every token of the offloaded heads of one layer, ``[B, heads, page_capacity, page_size, D]``."""
+    """Every token of the offloaded heads of one layer, ``[B, heads, page_capacity, page_size, D]``.
+
+    On CUDA the tier is pinned memory from torch's caching host allocator: a later cache of the same shape
+    in the process reuses the blocks (no new page-locking, the dominant cost of a first long prefill).  The
+    allocator rounds every block up to a power of two; the tier takes the pages that fit in the rounded
+    block, so the rounding buys headroom instead of wasting it.  Nothing is zeroed: positions never
+    written are never read (the kernels mask every token by position, and exact-attention reads stop at
+    the sequence length).
+    """
 
     def __init__(self, batch: int, heads: int, page_size: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, limit_bytes: int | None, used_elsewhere: callable):
+                 device: torch.device, limit_bytes: int | None, used_elsewhere: callable, copies: CopyStream,
+                 ops: KernelOps):
         self.batch, self.heads, self.page_size, self.head_dim = batch, heads, page_size, head_dim
         self.dtype, self.compute_device = dtype, device
         self.limit_bytes = limit_bytes
         self._used_elsewhere = used_elsewhere  # host bytes of the cache's other layers (for the cap)
+        self.copies, self.ops = copies, ops  # the layer's copy stream (every tier copy runs there)
+        self.pinned = device.type == "cuda"
         self.page_capacity = 0
         self.k = self.v = None
+        # The pinned blocks go back to torch's allocator when this tier dies, to be reused by the next cache;
+        # cuda-python copies queued here are invisible to that allocator, so let them finish first.
+        weakref.finalize(self, copies.synchronize)
 
     def nbytes(self) -> int:
         return 0 if self.k is None else self.k.nbytes + self.v.nbytes
 
-    def _alloc(self, page_capacity: int) -> torch.Tensor:
-        shape = (self.batch, self.heads, page_capacity, self.page_size, self.head_dim)
-        # Zeroed: a page loaded while partly written must not carry stale bytes (0 * NaN is NaN).
-        t = torch.zeros(shape, dtype=self.dtype, device="cpu")
-        if self.compute_device.type == "cuda":
-            try:
-                t = t.pin_memory()
-            except RuntimeError as e:  # pinned memory is a finite OS resource
-                raise HostMemoryError(f"pinning {t.nbytes / 2**20:.1f} MiB of host memory failed: {e}") from e
-        return t
+    def _bytes(self, page_capacity: int) -> int:
+        """Bytes of one of K / V at ``page_capacity`` pages."""
+        elt = torch.finfo(self.dtype).bits // 8
+        return self.batch * self.heads * page_capacity * self.page_size * self.head_dim * elt
+
+    def capacity_for(self, page_capacity: int) -> int:
+        """Pages to allocate for a need of ``page_capacity``: all that fit in the allocator's rounded block."""
+        if not self.pinned:
+            return page_capacity
+        per_page = self._bytes(1)
+        block = 1 << (self._bytes(page_capacity) - 1).bit_length()  # next power of two
+        return max(page_capacity, block // per_page)
+
+    def _alloc(self, page_capacity: int, batch: int | None = None) -> torch.Tensor:
+        batch = self.batch if batch is None else batch
+        shape = (batch, self.heads, page_capacity, self.page_size, self.head_dim)
+        try:
+            return torch.empty(shape, dtype=self.dtype, pin_memory=self.pinned)
+        except (RuntimeError, MemoryError) as e:  # pinned memory is a finite OS resource
+            what = "pinned" if self.pinned else "host"
+            mib = self._bytes(page_capacity) * batch / self.batch / 2**20
+            raise HostMemoryError(f"allocating {mib:.1f} MiB of {what} memory failed: {e}") from e
+
+    def check_grow(self, page_capacity: int) -> int:
+        """The capacity ``grow(page_capacity)`` would allocate; raises HostMemoryError, changing nothing,
+        when it would exceed ``host_memory_limit``."""
+        if page_capacity <= self.page_capacity or self.heads == 0:
+            return self.page_capacity
+        cap = self.capacity_for(page_capacity)
+        limit, other = self.limit_bytes, self._used_elsewhere() - self.nbytes()
+        if limit is not None and 2 * self._bytes(cap) + other > limit:
+            cap = page_capacity  # no rounding headroom under a cap: only what is needed
+            if 2 * self._bytes(cap) + other > limit:
+                need = 2 * self._bytes(cap) + other
+                raise HostMemoryError(
+                    f"the host tier would need {need / 2**20:.1f} MiB, over host_memory_limit="
+                    f"{limit / 2**20:.1f} MiB; raise the limit, shorten the prompt, or use "
+                    "FlexiCacheConfig(offload=False) to keep every page on the device")
+        return cap
 
     def grow(self, page_capacity: int) -> None:
-        if page_capacity <= self.page_capacity or self.heads == 0:
+        """Hold at least ``page_capacity`` pages, keeping every stored token (one copy of the old tier)."""
+        cap = self.check_grow(page_capacity)
+        if cap <= self.page_capacity:
             return
-        elt = torch.finfo(self.dtype).bits // 8
-        need = 2 * self.batch * self.heads * page_capacity * self.page_size * self.head_dim * elt
-        if self.limit_bytes is not None and need + self._used_elsewhere() > self.limit_bytes:
-            raise HostMemoryError(
-                f"the host tier would need {(need + self._used_elsewhere()) / 2**20:.1f} MiB, over "
-                f"host_memory_limit={self.limit_bytes / 2**20:.1f} MiB; raise the limit, shorten the prompt, or "
-                "use FlexiCacheConfig(offload=False) to keep every page on the device"
-            )
-        try:
-            k, v = self._alloc(page_capacity), self._alloc(page_capacity)
-        except (RuntimeError, MemoryError) as e:
-            raise HostMemoryError(f"allocating {need / 2**20:.1f} MiB of host memory failed: {e}") from e
+        k = self._alloc(cap)
+        v = self._alloc(cap)
         if self.k is not None:
+            self.copies.synchronize()  # queued offloads still write the old tier
             k[:, :, : self.page_capacity].copy_(self.k)
             v[:, :, : self.page_capacity].copy_(self.v)
-        self.k, self.v, self.page_capacity = k, v, page_capacity
+        self.k, self.v, self.page_capacity = k, v, cap
 
     def pages(self, which: str) -> torch.Tensor:
         """Flat page view ``[B * heads * page_capacity, page_size, D]``."""
         t = self.k if which == "k" else self.v
         return t.view(-1, self.page_size, self.head_dim)
+
+    def tokens(self, which: str) -> torch.Tensor:
+        """Token view ``[B, heads, page_capacity * page_size, D]``."""
+        t = self.k if which == "k" else self.v
+        return t.view(self.batch, self.heads, -1, self.head_dim)
 
     def page_index(self, pages: torch.Tensor) -> torch.Tensor:
         """Flat host page index of logical ``pages`` ``[B, heads, n]`` (int64)."""
@@ -111,19 +165,35 @@ class HostTier:
         return (b * self.heads + h) * self.page_capacity + pages
 
     def write_tokens(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
-        """Copy a prompt chunk ``[B, heads, T, D]`` of positions ``start..`` to the host tier."""
-        T = keys.shape[2]
-        for src, dst in ((keys, self.k), (values, self.v)):
-            tokens = dst.view(self.batch, self.heads, -1, self.head_dim)
-            tokens[:, :, start : start + T].copy_(src, non_blocking=True)
+        """Queue the copy of a prompt chunk ``[B, heads, T, D]`` (positions ``start..``) to the host tier.
 
-    def read_tokens(self, end: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every stored token ``[B, heads, end, D]`` on ``device`` (exact attention over a cached prefix)."""
-        out = []
-        for t in (self.k, self.v):
-            tokens = t.view(self.batch, self.heads, -1, self.head_dim)[:, :, :end]
-            out.append(tokens.to(device, non_blocking=True))
-        return out[0], out[1]
+        Runs on the copy stream (call inside ``copy_context``); the compute stream never waits for it.
+        """
+        T = keys.shape[2]
+        for src, which in ((keys, "k"), (values, "v")):
+            src = src.contiguous()
+            self.copies.keep_alive(src)
+            self.ops.copy_rows(self.tokens(which)[:, :, start : start + T], src)
+
+    def read_tokens(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Queue the copy of the first ``T`` stored tokens into ``keys`` / ``values`` ``[B, heads, T, D]``
+        (device buffers made on the compute stream; exact attention over a cached prefix).
+
+        Runs on the copy stream (call inside ``copy_context``, then hand the stream off before reading).
+        """
+        end = keys.shape[2]
+        for dst, which in ((keys, "k"), (values, "v")):
+            self.copies.keep_alive(dst)
+            self.ops.copy_rows(dst, self.tokens(which)[:, :, :end])
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep rows ``index`` (beam reorder / batch expansion), in fresh host blocks."""
+        self.copies.synchronize()
+        index = index.cpu()
+        k, v = self._alloc(self.page_capacity, index.numel()), self._alloc(self.page_capacity, index.numel())
+        torch.index_select(self.k, 0, index, out=k)
+        torch.index_select(self.v, 0, index, out=v)
+        self.k, self.v, self.batch = k, v, index.numel()
 
 
 class SlotTable:

@@ -25,6 +25,7 @@ class KernelOps:
     select_pages: Callable[..., torch.Tensor]
     sparse_decode: Callable[..., torch.Tensor]
     copy_pages: Callable[..., None]
+    copy_rows: Callable[..., None]
 
 
 REFERENCE_OPS = KernelOps(
@@ -34,6 +35,7 @@ REFERENCE_OPS = KernelOps(
     select_pages=reference.select_pages,
     sparse_decode=reference.sparse_decode,
     copy_pages=reference.copy_pages,
+    copy_rows=reference.copy_rows,
 )
 
 

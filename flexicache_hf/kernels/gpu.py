@@ -10,6 +10,7 @@ score vectors longer than one program holds (> 32k pages).
 
 ``copy_pages`` is the NVRTC kernel of :mod:`.uva_copy`, which itself falls back to torch indexing when
 cuda-python is missing or a tensor is not addressable from the device (pageable host memory).
+``copy_rows`` (a prompt's offload, a follow-up's prefix read) is one ``cuMemcpy2DAsync`` of :mod:`.row_copy`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from .minmax import minmax_update
 from .scores import page_scores
 from .select import select_pages
 from .sparse_decode import sparse_decode
+from .row_copy import RowCopier
 from .uva_copy import PageCopier
 
 # The copier owns the compiled NVRTC kernel (one per device, built on first use): GPU_OPS holds its bound
@@ -30,4 +32,5 @@ GPU_OPS = KernelOps(
     select_pages=select_pages,
     sparse_decode=sparse_decode,
     copy_pages=PageCopier().copy_pages,
+    copy_rows=RowCopier().copy_rows,
 )

@@ -153,6 +153,14 @@ def copy_pages(
     dst[d] = src[s].to(dst.device, non_blocking=True)
 
 
+def copy_rows(
+    dst: torch.Tensor,  # [B, H, T, D] (e.g. a position range of the host tier)
+    src: torch.Tensor,  # [B, H, T, D] (may live on another device)
+) -> None:
+    """Token rows between tiers: ``dst[...] = src`` (each (row, head) run of ``T * D`` elements contiguous)."""
+    dst.copy_(src)
+
+
 def dense_attention_reference(
     query: torch.Tensor,  # [B, Hq, D]
     keys: torch.Tensor,  # [B, H, L, D]

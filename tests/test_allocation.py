@@ -1,0 +1,103 @@
+"""Allocate-once layout (``max_cache_len``) and the host tier's growth: sizes, refusals before any change, copies."""
+
+import pytest
+import torch
+
+from conftest import tiny_config, twin_models
+from flexicache_hf import FlexiCache, HeadProfile
+from flexicache_hf.kernels import REFERENCE_OPS
+from flexicache_hf.pages import num_pages
+from flexicache_hf.tiers import CopyStream, HostTier
+
+FULL = dict(page_size=8, token_budget=4096)
+
+
+def greedy(model, ids, cache, n):
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=n,
+                         do_sample=False, min_new_tokens=n)
+    return out[:, ids.shape[1]:]
+
+
+def buffers(cache):
+    """Identity of every allocation a layer holds (growth would replace them)."""
+    return [(layer.pool.k.data_ptr(), layer.host.k.data_ptr(), layer.kmin.data_ptr(), layer.page_capacity)
+            for layer in cache.layers]
+
+
+def test_max_cache_len_allocates_once_and_equals_dense():
+    cfg = tiny_config("llama", heads=4, kv_heads=2)
+    fc, dense = twin_models(cfg)
+    profile = HeadProfile.random(cfg, 0.5, seed=1)
+    ids = torch.randint(2, 96, (2, 37))
+    cache = FlexiCache(profile, **FULL, max_cache_len=37 + 40, model_config=cfg)
+    seen = []
+
+    class Stamp:  # a logits processor that records the buffers after every step
+        def __call__(self, input_ids, scores):
+            seen.append(buffers(cache))
+            return scores
+
+    out = fc.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=40,
+                      min_new_tokens=40, do_sample=False, logits_processor=[Stamp()])[:, 37:]
+    assert torch.equal(out, greedy(dense, ids, None, 40))
+    assert all(s == seen[0] for s in seen)  # nothing re-allocated over 40 steps, 5 new pages
+    assert all(layer.page_capacity == num_pages(77, 8) for layer in cache.layers)
+
+
+def test_beyond_max_cache_len_refused_before_any_change():
+    cfg = tiny_config("llama", heads=4, kv_heads=2)
+    fc, dense = twin_models(cfg)
+    cache = FlexiCache(HeadProfile.random(cfg, 0.5, seed=1), **FULL, max_cache_len=30)
+    ids = torch.randint(2, 96, (1, 24))
+    turn = torch.cat([ids, greedy(fc, ids, cache, 4), torch.randint(2, 96, (1, 6))], dim=1)  # 34 tokens
+    assert [layer.seq_len for layer in cache.layers] == [27, 27]  # the last new token is not fed back
+    with pytest.raises(ValueError, match="max_cache_len=30"):
+        greedy(fc, turn, cache, 2)  # the follow-up prompt alone overflows: refused at the first layer
+    assert [layer.seq_len for layer in cache.layers] == [27, 27]
+
+
+def test_max_cache_len_over_the_context_refused_up_front():
+    cfg = tiny_config("llama", heads=4, kv_heads=2, max_pos=64)
+    with pytest.raises(ValueError, match="exceeds the model's context of 64"):
+        FlexiCache(HeadProfile.random(cfg, 0.5), **FULL, max_cache_len=65, model_config=cfg)
+    for bad in (0, -3, True, 2.5):
+        with pytest.raises(ValueError, match="max_cache_len"):
+            FlexiCache(HeadProfile.random(cfg, 0.5), **FULL, max_cache_len=bad)
+
+
+def tier(batch=2, heads=3, ps=4, D=8, limit=None, used=lambda: 0):
+    return HostTier(batch, heads, ps, D, torch.float32, torch.device("cpu"), limit, used,
+                    CopyStream(torch.device("cpu")), REFERENCE_OPS)
+
+
+def test_host_tier_rows_growth_and_row_selection():
+    t = tier()
+    t.grow(3)
+    k, v = torch.randn(2, 3, 10, 8), torch.randn(2, 3, 10, 8)
+    t.write_tokens(k, v, 0)
+    t.write_tokens(k[:, :, :2] + 1, v[:, :, :2] + 1, 10)  # a later chunk lands after the first
+    t.grow(7)  # one copy of the old tier into the larger one
+    assert t.page_capacity == 7
+    out_k, out_v = torch.empty(2, 3, 12, 8), torch.empty(2, 3, 12, 8)
+    t.read_tokens(out_k, out_v)
+    assert torch.equal(out_k[:, :, :10], k) and torch.equal(out_v[:, :, 10:], v[:, :, :2] + 1)
+    t.select_rows(torch.tensor([1, 1, 0]))
+    again = torch.empty(3, 3, 12, 8), torch.empty(3, 3, 12, 8)
+    t.read_tokens(*again)
+    assert t.batch == 3 and torch.equal(again[0], out_k[[1, 1, 0]])
+
+
+def test_host_tier_limit_refused_without_change_and_rounding_only_when_pinned():
+    held = []
+    t = tier(limit=2 * 2 * 3 * 5 * 4 * 8 * 4, used=lambda: held[0].nbytes())  # exactly 5 pages of K and V
+    held.append(t)  # the cache's host bytes, this tier's included (as FlexiCache.host_bytes counts them)
+    t.grow(5)
+    with pytest.raises(Exception, match="host_memory_limit"):
+        t.grow(6)
+    assert t.page_capacity == 5 and t.k.shape[2] == 5
+    assert tier().capacity_for(5) == 5  # unpinned: no allocator rounding, exact capacity
+    pinned = tier()
+    pinned.pinned = True
+    per_page = 2 * 3 * 4 * 8 * 4  # bytes of one page of K for every row and head
+    assert pinned.capacity_for(5) == 5  # 3,840 bytes round to 4,096: no whole page more fits
+    assert pinned.capacity_for(6) == 8192 // per_page == 10  # 4,608 bytes round to 8,192
