@@ -243,23 +243,26 @@ def main(argv=None) -> list[dict]:
         raise SystemExit(f"unknown rows {bad}; choose from {ROWS}")
     model, profile, make_prompt = load(args)
     results = []
+    args.out.mkdir(parents=True, exist_ok=True)
+    tag = args.tag or args.model
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "transformers": __import__("transformers").__version__, "args": {k: str(v) for k, v in vars(args).items()}}
+
+    def record(case, name, res):  # saved after every row: a run cut short keeps what it measured
+        results.append({"case": case, "row": name, **res})
+        print(json.dumps(results[-1]), flush=True)
+        (args.out / f"generate-{tag}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+
     for case in args.cases.split(","):
         batch, length = (int(x) for x in case.split("x"))
         ids = make_prompt(batch, length)
         for row in rows:
             for name, res in run_row(model, ids, row, args, profile):
-                results.append({"case": case, "row": name, **res})
-                print(json.dumps(results[-1]), flush=True)
+                record(case, name, res)
         if args.followup and case == args.cases.split(",")[0]:
             for name, res in run_followup(model, ids, args, profile, make_prompt):
-                results.append({"case": case, "row": name, **res})
-                print(json.dumps(results[-1]), flush=True)
+                record(case, name, res)
         del ids
-    args.out.mkdir(parents=True, exist_ok=True)
-    tag = args.tag or args.model
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "transformers": __import__("transformers").__version__, "args": {k: str(v) for k, v in vars(args).items()}}
-    (args.out / f"generate-{tag}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     figure(results, args.out / f"generate-{tag}.png")
     print(f"\n{'case':<10} {'row':<20} {'TTFT s':>7} {'1st ms':>7} {'med ms':>7} {'p99 ms':>7} {'tok/s':>7} "
           f"{'peak GB':>8} {'pin GB':>7} {'pin+':>5}")
