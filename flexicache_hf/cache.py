@@ -120,6 +120,7 @@ class FlexiCacheLayer(CacheLayerMixin):
         # A prompt chunk's offload runs on the copy stream while the next layers compute; the compute stream
         # joins it only before it next touches this layer's slots (the following decode step).
         self.copies_pending = False
+        self.prefetched = None  # (end, keys, values) of a prefix read started by prefetch_prefix
         self.seq_len = 0
         self.is_initialized = True
 
@@ -133,7 +134,7 @@ class FlexiCacheLayer(CacheLayerMixin):
         need = num_pages(end, self.config.page_size)
         if need <= self.page_capacity:
             return
-        max_len = self.owner.max_cache_len
+        max_len = self.owner.max_tokens
         cap = num_pages(max_len, self.config.page_size) if max_len is not None else grown_capacity(need, self.page_capacity)
         self.host.grow(cap)  # first: it is the one that may refuse (host memory), before anything changes
         # Offloaded heads never need more slots than pages exist, so short contexts do not pay for the budget.
@@ -161,7 +162,7 @@ class FlexiCacheLayer(CacheLayerMixin):
         end = start + T
         if limit is not None and end > limit:
             raise ValueError(f"{end} tokens exceed the model's context of {limit} positions (max_position_embeddings)")
-        max_len = self.owner.max_cache_len
+        max_len = self.owner.max_tokens
         if max_len is not None and end > max_len:
             raise ValueError(f"{end} tokens exceed this cache's max_cache_len={max_len}; make the cache with a "
                              "larger max_cache_len (prompt length + max_new_tokens), or without one to let it grow")
@@ -239,6 +240,9 @@ class FlexiCacheLayer(CacheLayerMixin):
             if handle.start == 0:
                 keys, values = handle.keys, handle.values
             else:
+                nxt = self.layer_idx + 1
+                if nxt < len(self.owner.layers):  # its host read overlaps this layer's attention
+                    self.owner.layers[nxt].prefetch_prefix(handle.start)
                 prev_k, prev_v = self.gather_tokens(handle.start)
                 keys = torch.cat([prev_k, handle.keys], dim=2)
                 values = torch.cat([prev_v, handle.values], dim=2)
@@ -304,15 +308,31 @@ class FlexiCacheLayer(CacheLayerMixin):
             keys[:, self.full_heads] = self.pool.full_tokens("k")[:, :, :end]
             values[:, self.full_heads] = self.pool.full_tokens("v")[:, :, :end]
         if self.slot_heads.numel():
-            hk = torch.empty((B, self.slot_heads.numel(), end, D), dtype=self.dtype, device=self.device)
-            hv = torch.empty_like(hk)
-            self._flush_newest_page()
-            with copy_context(self.copies):
-                self.host.read_tokens(hk, hv)
+            prefetched, self.prefetched = self.prefetched, None
+            hk, hv = prefetched[1:] if prefetched is not None and prefetched[0] == end else self._read_prefix(end)
             self.copies.hand_off()
             self.copies_pending = False
             keys[:, self.slot_heads], values[:, self.slot_heads] = hk, hv
         return keys, values
+
+    def _read_prefix(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queue the read of the offloaded heads' first ``end`` tokens ``[B, slot_heads, end, D]`` on the copy
+        stream (the newest page flushed first); the caller hands the stream off before using them."""
+        hk = torch.empty((self.batch, self.slot_heads.numel(), end, self.head_dim), dtype=self.dtype, device=self.device)
+        hv = torch.empty_like(hk)
+        self._flush_newest_page()
+        with copy_context(self.copies):
+            self.host.read_tokens(hk, hv)
+        return hk, hv
+
+    def prefetch_prefix(self, end: int) -> None:
+        """Start reading this layer's cached prefix for a follow-up chunk at ``end`` while earlier layers run.
+
+        Only before this layer has taken the chunk (its sequence still ends at ``end``); ``gather_tokens``
+        then finds the read under way instead of issuing it.
+        """
+        if self.is_initialized and self.slot_heads.numel() and self.seq_len == end and self.prefetched is None:
+            self.prefetched = (end, *self._read_prefix(end))
 
     # ---- HF cache API ----------------------------------------------------------------------------------
     def get_seq_length(self) -> int:
@@ -329,7 +349,7 @@ class FlexiCacheLayer(CacheLayerMixin):
     def reset(self) -> None:
         if self.is_initialized:
             self.copies.synchronize()  # queued copies must not land in host blocks handed to another cache
-        for name in ("pool", "host", "slots", "reranker", "kmin", "kmax", "valid_lo", "tail_phys"):
+        for name in ("pool", "host", "slots", "reranker", "kmin", "kmax", "valid_lo", "tail_phys", "prefetched"):
             self.__dict__.pop(name, None)
         self.seq_len = 0
         self.is_initialized = False
@@ -438,7 +458,7 @@ class FlexiCache(Cache):
         if max_cache_len is not None and (isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int)
                                           or max_cache_len < 1):
             raise ValueError(f"max_cache_len must be None or a positive number of tokens, got {max_cache_len!r}")
-        self.max_cache_len = max_cache_len
+        self.max_tokens = max_cache_len  # not `max_cache_len`: transformers 5.17 has a property of that name
         self.stats = CacheStats()
         self.max_positions = None
         self._checked_config = None
@@ -465,8 +485,8 @@ class FlexiCache(Cache):
                 "(For checkpoints trained with full attention, e.g. Mistral v0.2+, set config.sliding_window=None.)"
             )
         limit = getattr(model_config, "max_position_embeddings", None)
-        if limit is not None and self.max_cache_len is not None and self.max_cache_len > limit:
-            raise ValueError(f"max_cache_len={self.max_cache_len} exceeds the model's context of {limit} positions "
+        if limit is not None and self.max_tokens is not None and self.max_tokens > limit:
+            raise ValueError(f"max_cache_len={self.max_tokens} exceeds the model's context of {limit} positions "
                              "(max_position_embeddings): shorten the prompt or max_new_tokens")
         self.max_positions = limit
         self._checked_config = model_config
