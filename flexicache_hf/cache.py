@@ -116,6 +116,7 @@ class FlexiCacheLayer(CacheLayerMixin):
         self.kmin = torch.empty((B, H, 0, D), dtype=self.dtype, device=self.device)
         self.kmax = torch.empty_like(self.kmin)
         self.valid_lo = torch.zeros(B, dtype=torch.long, device=self.device)
+        self.padded = False  # whether any row has left padding (valid_lo > 0), known on the host
         self.tail_phys = None  # [B, slot_heads] physical page of the newest page of offloaded heads
         # A prompt chunk's offload runs on the copy stream while the next layers compute; the compute stream
         # joins it only before it next touches this layer's slots (the following decode step).
@@ -248,7 +249,7 @@ class FlexiCacheLayer(CacheLayerMixin):
                 values = torch.cat([prev_v, handle.values], dim=2)
             self.owner.stats.prompt_tokens += T if self.layer_idx == 0 else 0
             key_valid = None
-            if bool(self.valid_lo.any()):
+            if self.padded:
                 key_valid = torch.arange(keys.shape[2], device=self.device)[None, :] >= self.valid_lo[:, None]
             return dense_attention(query, keys, values, key_valid, scaling)
         return self._decode(query[:, :, 0], scaling)[:, None]
@@ -265,9 +266,11 @@ class FlexiCacheLayer(CacheLayerMixin):
                     "FlexiCache supports left padding only (padding tokens first, as with "
                     "tokenizer.padding_side='left'); got an attention mask with gaps or right padding"
                 )
-        if start and not torch.equal(lead, self.valid_lo):
+        # Without a mask nothing is padded: decided on the host, so an unpadded chunk costs no host sync.
+        padded = mask2d is not None and bool(lead.any())
+        if start and (padded != self.padded or (padded and not torch.equal(lead, self.valid_lo))):
             raise ValueError("a later prompt chunk changed the left padding of rows already in the cache")
-        self.valid_lo = lead
+        self.valid_lo, self.padded = lead, padded
 
     def _decode(self, q: torch.Tensor, scaling: float) -> torch.Tensor:
         """Top-K selection + sparse paged decode for one token per row; ``q [B, Hq, D]`` -> ``[B, Hq, D]``."""
