@@ -122,6 +122,7 @@ class FlexiCacheLayer(CacheLayerMixin):
         # joins it only before it next touches this layer's slots (the following decode step).
         self.copies_pending = False
         self.prefetched = None  # (end, keys, values) of a prefix read started by prefetch_prefix
+        self.host_current = True  # the host tier holds every token of the offloaded heads (nothing to flush)
         self.seq_len = 0
         self.is_initialized = True
 
@@ -191,6 +192,7 @@ class FlexiCacheLayer(CacheLayerMixin):
         phys = self.tail_phys.reshape(-1)
         self.pool.k[phys, off] = k.reshape(-1, self.head_dim)
         self.pool.v[phys, off] = v.reshape(-1, self.head_dim)
+        self.host_current = off == ps - 1  # a page that fills goes to the host now; until then only its slot has it
         if off == ps - 1:
             with copy_context(self.copies):
                 offload_page(self.ops, self.pool, self.host, page, self.tail_phys)
@@ -212,6 +214,7 @@ class FlexiCacheLayer(CacheLayerMixin):
             pages = torch.full_like(self.tail_phys, newest)[..., None]
             load_promoted(self.ops, self.pool, self.host, pages, self.tail_phys[..., None])
         self.copies_pending = True  # joined by the next decode step, not now: later layers overlap the copy
+        self.host_current = True  # the chunk went to the host whole, its partial newest page included
         self.reranker.step = 0
 
     def _join_copies(self) -> None:
@@ -224,9 +227,10 @@ class FlexiCacheLayer(CacheLayerMixin):
         """Copy the newest page of the offloaded heads to the host while it is partly filled: decode tokens
         go to its device slot only (a page is offloaded once, when it fills), so until then the host lacks them."""
         ps = self.config.page_size
-        if self.seq_len % ps and self.tail_phys is not None:
+        if not self.host_current and self.seq_len % ps and self.tail_phys is not None:
             with copy_context(self.copies):
                 offload_page(self.ops, self.pool, self.host, (self.seq_len - 1) // ps, self.tail_phys)
+        self.host_current = True
 
     # ---- compute -------------------------------------------------------------------------------------
     def attend(self, handle: PagedKV, query: torch.Tensor, mask2d: torch.Tensor | None, scaling: float) -> torch.Tensor:
@@ -244,9 +248,7 @@ class FlexiCacheLayer(CacheLayerMixin):
                 nxt = self.layer_idx + 1
                 if nxt < len(self.owner.layers):  # its host read overlaps this layer's attention
                     self.owner.layers[nxt].prefetch_prefix(handle.start)
-                prev_k, prev_v = self.gather_tokens(handle.start)
-                keys = torch.cat([prev_k, handle.keys], dim=2)
-                values = torch.cat([prev_v, handle.values], dim=2)
+                keys, values = self.gather_tokens(handle.start, then=(handle.keys, handle.values))
             self.owner.stats.prompt_tokens += T if self.layer_idx == 0 else 0
             key_valid = None
             if self.padded:
@@ -302,20 +304,25 @@ class FlexiCacheLayer(CacheLayerMixin):
         return self.ops.sparse_decode(q, self.pool.k, self.pool.v, self.pool.page_table, attend,
                                       self.valid_lo, self.seq_len, scaling)
 
-    def gather_tokens(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every stored token ``[B, H, end, D]`` of every head, wherever it lives (exact-attention path)."""
+    def gather_tokens(self, end: int, then: tuple[torch.Tensor, torch.Tensor] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every stored token ``[B, H, end, D]`` of every head, wherever it lives (exact-attention path),
+        followed by ``then`` (a chunk's new keys / values ``[B, H, T, D]``) in the same buffers when given."""
         B, H, D = self.batch, self.num_kv_heads, self.head_dim
-        keys = torch.empty((B, H, end, D), dtype=self.dtype, device=self.device)
+        T = 0 if then is None else then[0].shape[2]
+        keys = torch.empty((B, H, end + T, D), dtype=self.dtype, device=self.device)
         values = torch.empty_like(keys)
+        if T:
+            keys[:, :, end:], values[:, :, end:] = then
         if self.full_heads.numel():
-            keys[:, self.full_heads] = self.pool.full_tokens("k")[:, :, :end]
-            values[:, self.full_heads] = self.pool.full_tokens("v")[:, :, :end]
+            keys[:, self.full_heads, :end] = self.pool.full_tokens("k")[:, :, :end]
+            values[:, self.full_heads, :end] = self.pool.full_tokens("v")[:, :, :end]
         if self.slot_heads.numel():
             prefetched, self.prefetched = self.prefetched, None
             hk, hv = prefetched[1:] if prefetched is not None and prefetched[0] == end else self._read_prefix(end)
             self.copies.hand_off()
             self.copies_pending = False
-            keys[:, self.slot_heads], values[:, self.slot_heads] = hk, hv
+            keys[:, self.slot_heads, :end], values[:, self.slot_heads, :end] = hk, hv
         return keys, values
 
     def _read_prefix(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
