@@ -30,7 +30,8 @@ else:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="flexicache",
                                                  local_files_only=True).to(args.device).eval()
 
-doc = load_documents()[0]
+# The built-in corpus (assembled from this installation on first use); load_documents(path) reads your own.
+doc = max(load_documents(), key=lambda d: (len(d.text), d.id))  # long enough for the 2500-token prompt
 ids = build_prompt(tok, doc, "What are the key points of this document?", 2500).to(args.device)
 cache = FlexiCache(args.profile, FlexiCacheConfig(token_budget=args.budget), model_config=model.config)
 out = model.generate(ids, max_new_tokens=96, do_sample=False, past_key_values=cache)

@@ -1,12 +1,11 @@
-"""The real-text corpus used for profiling, tests and benchmarks.
+"""Loading the long-text corpus used by profiling, the evaluation harness, the demo and the tests.
 
-Long documents matter: FlexiCache only differs from a full cache once the context
-is longer than the GPU-resident top-K pages.  The corpus is a gzipped JSON-lines
-file of openly licensed documentation (fields id, source, license, title, text),
-kept in the project's shared/ folder beside the repository.
-
-Path override: ``FLEXICACHE_LONGTEXT`` names the corpus file explicitly, for
-machines where shared/ is not beside the checkout.  An empty value counts as unset.
+Long documents matter: FlexiCache only differs from a full cache once the context is longer than the
+device-resident top-K pages.  A corpus is a gzipped JSON-lines file of documents (fields id, source,
+license, title, text).  Without an explicit path the built-in one is used: texts assembled from this
+installation (CPython's language reference, installed packages' license texts, library docstrings) by
+:mod:`flexicache_hf.corpus` on first use and cached.  A path (``path=`` / ``corpus=`` arguments,
+``--corpus`` on the command lines) loads a corpus of your own in the same format instead.
 """
 
 from __future__ import annotations
@@ -20,28 +19,19 @@ from pathlib import Path
 
 import torch
 
-CORPUS_ENV = "FLEXICACHE_LONGTEXT"
+from . import corpus as _builtin
+
 _FIELDS = ("id", "source", "license", "title", "text")
 
 
-def _default_corpus() -> Path:
-    repo_root = Path(__file__).resolve().parent.parent
-    return repo_root.parent / "shared" / "data" / "longtext.jsonl.gz"
-
-
 def corpus_path(path: str | os.PathLike | None = None) -> Path:
-    """``path``, else $FLEXICACHE_LONGTEXT, else <repo>/../shared/data/longtext.jsonl.gz."""
-    if path is not None:
-        p = Path(path)
-    elif os.environ.get(CORPUS_ENV):
-        p = Path(os.environ[CORPUS_ENV])
-    else:
-        p = _default_corpus()
+    """``path`` when given (it must exist), else the built-in corpus (built and cached first if needed)."""
+    if path is None:
+        return _builtin.ensure_built()
+    p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(
-            f"no text corpus at {p}; pass its path explicitly or set {CORPUS_ENV}, "
-            f"or place it at {_default_corpus()}"
-        )
+        raise FileNotFoundError(f"no text corpus at {p}; pass the path of a gzipped JSON-lines file with "
+                                f"string fields {list(_FIELDS)}, or no path for the built-in corpus")
     return p
 
 
@@ -57,15 +47,23 @@ class Document:
 @functools.lru_cache(maxsize=4)
 def _load(path: Path) -> tuple[Document, ...]:
     docs = []
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            rec = json.loads(line)
-            bad = [k for k in _FIELDS if not isinstance(rec.get(k), str)]
-            if bad:
-                raise ValueError(f"{path}:{n}: expected string fields {list(_FIELDS)}, missing or not text: {bad}")
-            docs.append(Document(*(rec[k] for k in _FIELDS)))
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{n}: not a JSON object ({e})") from e
+                bad = [k for k in _FIELDS if not isinstance(rec, dict) or not isinstance(rec.get(k), str)]
+                if bad:
+                    raise ValueError(f"{path}:{n}: expected string fields {list(_FIELDS)}, missing or not text: {bad}")
+                docs.append(Document(*(rec[k] for k in _FIELDS)))
+    except gzip.BadGzipFile as e:
+        raise ValueError(f"{path}: a corpus is a gzipped JSON-lines file; this one is not gzipped ({e})") from e
+    if not docs:
+        raise ValueError(f"{path}: the corpus holds no documents")
     return tuple(docs)
 
 

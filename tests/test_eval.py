@@ -2,6 +2,7 @@
 caches, policy equivalences and a whole tiny run."""
 
 import copy
+import random
 import time
 from dataclasses import replace
 
@@ -99,6 +100,20 @@ def test_tasks_do_not_depend_on_the_string_hash_seed():
     digests = {subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed},
                               capture_output=True, text=True, check=True).stdout for seed in ("1", "2", "3")}
     assert len(digests) == 1
+
+
+def test_haystack_is_long_prose_of_one_source():
+    """The built-in haystack source alone fills an 8k-token haystack many times over (no wrap-round)."""
+    from flexicache_hf.corpus import REFERENCE
+    from flexicache_hf.data import documents_by_source
+    from flexicache_hf.eval.tasks import HAYSTACK_SOURCE, _paragraphs, haystack
+
+    assert HAYSTACK_SOURCE == REFERENCE and REFERENCE in documents_by_source()
+    paras = _paragraphs()
+    assert len(paras) > 1000 and sum(map(len, paras)) > 8 * 8192 * 4  # ~4 characters a token
+    tok = CharTokenizer()  # a character a token: the strictest case
+    got = haystack(tok, 8192, random.Random(0))
+    assert sum(len(p) + 1 for p in got) >= 8192 and len(got) == len(set(got))
 
 
 # ---- eviction caches -----------------------------------------------------------------------------------
@@ -296,12 +311,16 @@ def test_config_parts_split_one_configuration():
 
 
 def test_fidelity_documents_spread_over_sources():
-    from flexicache_hf.data import load_documents
+    from flexicache_hf.data import documents_by_source, load_documents
 
     docs = load_documents(None)
+    # Long documents are few (the built-in sources hold a handful each of > 23k characters), but every
+    # source has one, so 4 picks take one from each source and then round again.
+    long_per_source = {s: sum(len(d.text) > 3 * 7680 for d in g) for s, g in documents_by_source().items()}
+    assert len(long_per_source) == 3 and min(long_per_source.values()) >= 1, long_per_source
     picked = fidelity.pick_documents(4, 7680)
     assert picked == fidelity.pick_documents(4, 7680) and len(set(picked)) == 4
-    assert len({docs[i].source for i in picked}) == 3  # every source of the corpus, then round again
+    assert len({docs[i].source for i in picked}) == 3
     assert all(len(docs[i].text) > 3 * 7680 for i in picked)
     with pytest.raises(ValueError, match="long enough"):
         fidelity.pick_documents(10, 60_000)

@@ -158,7 +158,7 @@ def test_smollm2_full_budget_equals_dense_on_corpus_prompt(smollm2):
     from flexicache_hf.data import long_prompt
 
     model, tok = smollm2
-    ids = long_prompt(tok, 1600, doc_index=3)
+    ids = long_prompt(tok, 1600, doc_index=3)  # a language-reference section of the built-in corpus
     cache = FlexiCache(HeadProfile.random(model.config, 0.25), token_budget=2048)
     a = greedy(model, ids, cache, n=64)
     model.config._attn_implementation = "sdpa"

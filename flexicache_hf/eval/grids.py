@@ -125,7 +125,7 @@ PARTS = ("all", "tasks", "fidelity")
 
 def only(cfg: EvalConfig, part: str) -> EvalConfig:
     """``cfg`` restricted to one part: ``tasks`` (reach curve + task grid) or ``fidelity`` — so a configuration
-    too long for one sitting (a lent GPU's per-command limit) runs as two commands with two reports."""
+    too long for one sitting (a GPU machine's per-command time limit) runs as two commands with two reports."""
     if part not in PARTS:
         raise ValueError(f"part must be one of {PARTS}, got {part!r}")
     if part == "tasks":

@@ -20,7 +20,7 @@ def run(model, tokenizer, cfg: EvalConfig, *, profile_name: str | None, corpus=N
         max_seconds: float | None = None, kernels: str | None = None) -> dict:
     """Every measurement of ``cfg``; returns the raw rows (the report turns them into tables).
 
-    ``max_seconds``: a wall-clock guard for lent machines — once passed, remaining samples are skipped
+    ``max_seconds``: a wall-clock guard for machines with a time limit per command — once passed, remaining samples are skipped
     (whole samples, so every reported sample has every policy; whole fidelity policies) and ``truncated``
     lists what was left out.
     """

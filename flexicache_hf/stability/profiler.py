@@ -310,7 +310,7 @@ def profile_model(
         progress: show a tqdm bar over decode steps.
         model_name: name recorded in the profile (default: the config's ``name_or_path``).
         records_dir: if set, save every sample's SelectionRecords there (``.npz``) for later analysis.
-        corpus: path of the text corpus (default: ``flexicache_hf.data.corpus_path()``).
+        corpus: path of a text corpus of your own (default: the built-in one, :mod:`flexicache_hf.corpus`).
         provenance: extra provenance entries (e.g. where the weights came from).
     """
     if k_pages < 1 or page_size < 1 or window < 2 or new_tokens < window:

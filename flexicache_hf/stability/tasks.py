@@ -1,30 +1,25 @@
-"""Profiling tasks: long-context, long-generation prompts from the project corpus (paper §2.2).
+"""Profiling tasks: long-context, long-generation prompts from the text corpus (paper §2.2).
 
 The paper profiles on several LongBench / L-Eval tasks and compares the unstable-head sets they give
-(Table 1).  Cross-task overlap only means something if the tasks really differ, so each task here draws
-from a different part of the corpus *and* asks for a different kind of answer.  The corpus has three
-sources (Python docs, GNU standards, licenses); the Python docs are split into the reference library
-chapters and the tutorials/HOWTOs, which read and are answered quite differently.
+(Table 1).  Cross-task overlap only means something if the tasks really differ, so each task draws from a
+different part of the corpus *and* asks for a different kind of answer.  The built-in corpus
+(:mod:`flexicache_hf.corpus`) has three sources: CPython's language reference, installed packages'
+license texts and library docstrings.  The language reference feeds two tasks, a summary and a
+question-and-answer one, on disjoint sections (alternate ranks by length, so both get long ones).
 
 Sample choice is a pure function of the corpus and the arguments (no RNG), so a profile is reproducible.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from ..corpus import DOCSTRINGS, LICENSES, REFERENCE
 from ..data import Document, build_prompt, documents_by_source
 
-PYTHON_DOCS = "Python 3.11 documentation (Debian python3-doc)"
-GNU_STANDARDS = "GNU coding standards (Debian gnu-standards)"
-LICENSES = "Debian common-licenses"
-
-# A top-level texinfo chapter: "7 The Release Process" underlined with '*'.
-_CHAPTER = re.compile(r"^(\d+|Appendix [A-Z]) [^\n]+\n\*+\n", re.M)
 # Characters per token is ~4 for English prose with SmolLM2/Llama tokenisers; only used to skip
 # documents that obviously cannot fill a prompt, so a rough figure is enough.
 _CHARS_PER_TOKEN = 4
@@ -82,90 +77,62 @@ class ProfilingTask:
 
 def _spread(pool: list[Document], n: int) -> list[Document]:
     """``n`` documents evenly spaced over ``pool`` (all of it when shorter), each from the middle of its
-    stride, so that library chapters are not all asyncio/argparse (alphabetical order)."""
+    stride, so that modules in name order are not all transformers.a* (or all of one library)."""
     if len(pool) <= n:
         return list(pool)
     return [pool[((2 * i + 1) * len(pool)) // (2 * n)] for i in range(n)]
 
 
-def _titles(*prefixes: str) -> Callable[[list[Document]], list[Document]]:
-    """Documents whose title starts with one of ``prefixes``, grouped in the order of the prefixes."""
-    def pick(docs: list[Document]) -> list[Document]:
-        return [d for p in prefixes for d in docs if d.title.startswith(p)]
-    return pick
-
-
 def _longest_first(docs: list[Document]) -> list[Document]:
-    # Longest first: short permissive licences (BSD: 1.5k chars) would give tiny contexts.
+    # Longest first: short permissive licences (MIT: ~1k chars) would give tiny contexts.
     return sorted(docs, key=lambda d: (-len(d.text), d.id))
 
 
-def _gnu_excerpts(docs: list[Document]) -> list[Document]:
-    """One excerpt per chapter: that chapter and the ones after it, up to the appendices.
-
-    The two GNU documents are far longer than a prompt, so each sample starts at another chapter.  The
-    appended GFDL is left out (it belongs to the licence task).  Chapters are ranked by length, and the
-    two documents alternate so consecutive samples come from different documents.
-    """
-    per_doc = []
-    for d in docs:
-        marks = list(_CHAPTER.finditer(d.text))
-        appendix = next((m.start() for m in marks if m.group(1).startswith("Appendix")), len(d.text))
-        chapters = []
-        for i, m in enumerate(marks):
-            if m.group(1).startswith("Appendix"):
-                continue
-            end = marks[i + 1].start() if i + 1 < len(marks) else len(d.text)
-            heading = m.group(0).splitlines()[0]
-            excerpt = Document(f"{d.id}#{m.group(1)}", d.source, d.license, f"{d.title} {heading}",
-                               d.text[m.start():appendix])
-            chapters.append((-(end - m.start()), i, excerpt))
-        per_doc.append([c[2] for c in sorted(chapters, key=lambda c: c[:2])])
-    out = []
-    for rank in range(max((len(c) for c in per_doc), default=0)):
-        out.extend(c[rank] for c in per_doc if rank < len(c))
-    return out
+def _ranks(parity: int) -> Callable[[list[Document]], list[Document]]:
+    """Every other document by length (even or odd rank), so two tasks on one source never share one."""
+    def pick(docs: list[Document]) -> list[Document]:
+        return _longest_first(docs)[parity::2]
+    return pick
 
 
 def default_tasks() -> list[ProfilingTask]:
-    """The four default tasks, one per corpus part, each with its own kind of answer."""
+    """The four default tasks over the corpus's three sources, each with its own kind of answer."""
     return [
         ProfilingTask(
-            name="library-summary",
-            source=PYTHON_DOCS,
-            instruction=("Summarise this chapter of the Python standard library documentation: what the module "
-                         "is for, its main classes and functions with their parameters, and a short example "
-                         "of typical use."),
-            description="summarise a Python standard-library reference chapter (library/*)",
-            candidates=_titles("library/"),
-            spread=True,
+            name="reference-summary",
+            source=REFERENCE,
+            instruction=("Summarise this section of the Python language reference: which constructs or objects "
+                         "it defines, the rules that govern them, and a short example of each main rule."),
+            description="summarise a section of the Python language reference (even ranks by length)",
+            candidates=_ranks(0),
         ),
         ProfilingTask(
             name="license-obligations",
             source=LICENSES,
             instruction=("Explain, clause by clause, the obligations this license places on someone who "
                          "modifies the software and redistributes it, and what happens if they break them."),
-            description="explain the obligations of a Debian common license (longest first)",
+            description="explain the obligations of an installed package's license text (longest first)",
             candidates=_longest_first,
         ),
         ProfilingTask(
-            name="gnu-compare",
-            source=GNU_STANDARDS,
-            instruction=("Compare the sections of this excerpt of the GNU standards: for each section state its "
-                         "main rules, then point out where sections overlap, depend on each other or pull in "
-                         "different directions."),
-            description="compare the sections of a GNU coding/maintainer standards chapter",
-            candidates=_gnu_excerpts,
+            name="api-explain",
+            source=DOCSTRINGS,
+            instruction=("Explain the API documented above to a new user: what the module is for, its main "
+                         "classes and functions with their parameters and return values, and how they fit "
+                         "together in a typical use."),
+            description="explain a transformers or torch module's API from its docstrings (spread over modules)",
+            candidates=list,
+            spread=True,
         ),
         ProfilingTask(
-            name="tutorial-qa",
-            source=PYTHON_DOCS,
-            instruction=("Answer these questions about the tutorial above. 1. What problem does it teach you to "
-                         "solve? 2. What are the steps, in order, with the code for each? 3. Which mistakes "
-                         "or pitfalls does it warn about? 4. What should a reader study next?"),
-            description="answer questions about a Python HOWTO or tutorial (howto/*, tutorial/*)",
-            candidates=_titles("tutorial/", "howto/"),
-            spread=True,
+            name="reference-qa",
+            source=REFERENCE,
+            instruction=("Answer these questions about the reference section above. 1. Which constructs or "
+                         "operations does it define? 2. What are the exact rules, step by step, including the "
+                         "order of evaluation? 3. Which cases raise an error or behave surprisingly? 4. Which "
+                         "related sections should a reader study next?"),
+            description="answer questions about a section of the Python language reference (odd ranks by length)",
+            candidates=_ranks(1),
         ),
     ]
 

@@ -1,6 +1,6 @@
 """The CUDA backend (Triton + cuda-python kernels) against the PyTorch reference, on a real GPU.
 
-Skipped without CUDA (CI never has one); run on the lent H200:
+Skipped without CUDA (CI never has one); run on any CUDA machine, from the repository root:
 ``PYTHONPATH=$PWD python3 -m pytest -q -m gpu tests/gpu/test_kernels_gpu.py``.
 """
 
