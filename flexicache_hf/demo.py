@@ -24,6 +24,7 @@ from .head_profile import resolve_profile
 from .models import load_default_model
 
 DEMO_PROFILE = "SmolLM2-135M-Instruct"
+DEMO_INSTRUCTION = "Summarise the document above in a few paragraphs."
 
 
 def _mib(n: int) -> str:
@@ -40,6 +41,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--recent-pages", type=int, default=0, help="newest pages every re-rank keeps (paper: 0)")
     ap.add_argument("--profile", default=DEMO_PROFILE, help="profile name, path, or shipped model name")
     ap.add_argument("--gguf", default=None, help="path of the SmolLM2 GGUF (default: the embedded one)")
+    ap.add_argument("--instruction", default=DEMO_INSTRUCTION, help="the request after the document")
     ap.add_argument("--no-dense", action="store_true", help="skip the DynamicCache comparison run")
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -50,7 +52,7 @@ def main(argv=None) -> dict:
     # The longest language-reference section (~60k characters): long enough for any --prompt-tokens a CPU
     # run takes, and the same document wherever the demo runs on one Python version.
     doc = max(documents_by_source()[REFERENCE], key=lambda d: (len(d.text), d.id))
-    ids = build_prompt(tok, doc, "Summarise the document above in a few paragraphs.", args.prompt_tokens)
+    ids = build_prompt(tok, doc, args.instruction, args.prompt_tokens)
     profile = resolve_profile(args.profile)
     cfg = FlexiCacheConfig(token_budget=args.budget, rerank_interval=args.rerank_interval,
                            sink_pages=args.sink_pages, recent_pages=args.recent_pages)
