@@ -186,7 +186,7 @@ class FlexiCacheLayer(CacheLayerMixin):
     def _append_chunk(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         """A prompt chunk of the offloaded heads goes whole to the host; the device keeps the newest page.
 
-        The next decode step re-ranks every head (step 0), which loads the top-K pages back.
+        The next decode step re-ranks every head (``attend`` restarts the schedule), which loads the top-K back.
         """
         ps = self.config.page_size
         end = start + k.shape[2]
@@ -199,7 +199,6 @@ class FlexiCacheLayer(CacheLayerMixin):
             pages = torch.full_like(self.tail_phys, newest)[..., None]
             load_promoted(self.ops, self.pool, self.host, pages, self.tail_phys[..., None])
         self.copies.hand_off()
-        self.reranker.step = 0
 
     def _flush_newest_page(self) -> None:
         """Copy the newest page of the offloaded heads to the host while it is partly filled: decode tokens
@@ -219,6 +218,7 @@ class FlexiCacheLayer(CacheLayerMixin):
             self._observe_padding(mask2d, handle.start)
         self.ops.minmax_update(self.kmin, self.kmax, handle.keys, handle.start, self.valid_lo, self.config.page_size)
         if T > 1 or handle.start == 0:
+            self.reranker.restart()  # whatever the offload mode: the chunk's pages were never scored
             if handle.start == 0:
                 keys, values = handle.keys, handle.values
             else:
