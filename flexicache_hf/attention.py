@@ -102,6 +102,11 @@ def flexicache_attention(module: torch.nn.Module, query: torch.Tensor, key, valu
     """transformers attention function: ``query [B, Hq, T, D]`` -> ``([B, T, Hq, D], None)``."""
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    if kwargs.get("output_attentions"):
+        raise ValueError(
+            "output_attentions=True is not supported by the 'flexicache' attention (it never forms the attention "
+            "weights); load the model with attn_implementation='eager' to inspect them"
+        )
     if kwargs.get("sliding_window") is not None:
         raise UnsupportedModelError(_SLIDING.format(window=kwargs["sliding_window"]))
     if isinstance(key, PagedKV):

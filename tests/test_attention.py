@@ -100,3 +100,12 @@ def test_sliding_window_layers_are_refused_before_any_cache_is_written():
     with pytest.raises(UnsupportedModelError, match="sliding"):
         fc(torch.randint(2, 96, (1, 12)), past_key_values=cache)
     assert cache.get_seq_length() == 0
+
+
+def test_output_attentions_is_refused():
+    cfg = tiny_config("llama", heads=4, kv_heads=2)
+    fc, _ = twin_models(cfg)
+    ids = torch.randint(2, 96, (1, 9))
+    for cache in (DynamicCache(), FlexiCache(HeadProfile.all_stable(cfg))):
+        with pytest.raises(ValueError, match="output_attentions"):
+            fc(ids, past_key_values=cache, output_attentions=True)
