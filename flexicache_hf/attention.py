@@ -102,6 +102,22 @@ def flexicache_attention(module: torch.nn.Module, query: torch.Tensor, key, valu
     """transformers attention function: ``query [B, Hq, T, D]`` -> ``([B, T, Hq, D], None)``."""
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    if isinstance(key, PagedKV):
+        try:
+            return _attend_paged(module, query, key, attention_mask, scaling, dropout, kwargs), None
+        except BaseException as e:  # the cache names it if this forward is ever resumed
+            key.layer.owner.guard.note(e)
+            raise
+    _refuse_unsupported(kwargs)
+    if attention_mask is None or attention_mask.dim() == 2:  # queries last (see flexicache_mask)
+        key_valid = None if attention_mask is None else attention_mask.bool()
+        return dense_attention(query, key, value, key_valid, scaling, dropout), None
+    # transformers' exact 4D mask (a static cache's whole buffer, another mask pattern): transformers' own SDPA.
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  **kwargs)
+
+
+def _refuse_unsupported(kwargs: dict) -> None:
     if kwargs.get("output_attentions"):
         raise ValueError(
             "output_attentions=True is not supported by the 'flexicache' attention (it never forms the attention "
@@ -109,24 +125,22 @@ def flexicache_attention(module: torch.nn.Module, query: torch.Tensor, key, valu
         )
     if kwargs.get("sliding_window") is not None:
         raise UnsupportedModelError(_SLIDING.format(window=kwargs["sliding_window"]))
-    if isinstance(key, PagedKV):
-        layer = key.layer
-        if attention_mask is not None and attention_mask.dim() != 2:
-            raise ValueError(
-                "FlexiCache takes causal attention with a 2D padding mask only (the 'flexicache' mask function "
-                f"makes one); got a {attention_mask.dim()}D mask: custom 4D masks and other mask patterns are not "
-                "supported"
-            )
-        if dropout:
-            raise ValueError("FlexiCache serves inference only: attention dropout must be 0 (call model.eval())")
-        layer.owner.check_model(module.config)
-        return layer.attend(key, query, attention_mask, scaling), None
-    if attention_mask is None or attention_mask.dim() == 2:  # queries last (see flexicache_mask)
-        key_valid = None if attention_mask is None else attention_mask.bool()
-        return dense_attention(query, key, value, key_valid, scaling, dropout), None
-    # transformers' exact 4D mask (a static cache's whole buffer, another mask pattern): transformers' own SDPA.
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                  **kwargs)
+
+
+def _attend_paged(module, query, handle: PagedKV, attention_mask, scaling: float, dropout: float, kwargs: dict):
+    _refuse_unsupported(kwargs)
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ValueError(
+            "FlexiCache takes causal attention with a 2D padding mask only (the 'flexicache' mask function makes "
+            f"one); got a {attention_mask.dim()}D mask. Custom 4D masks and mask patterns other than causal are not "
+            "supported, and a 2D attention_mask must cover every cached position and the new tokens"
+        )
+    if dropout:
+        raise ValueError("FlexiCache serves inference only: attention dropout must be 0 (call model.eval())")
+    layer = handle.layer
+    layer.owner.check_model(module.config)
+    layer.owner.check_length(layer.seq_len)  # the first forward learns the context only here
+    return layer.attend(handle, query, attention_mask, scaling)
 
 
 def register() -> None:
