@@ -12,6 +12,7 @@ in any number of threads.
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass, field
 
@@ -537,6 +538,37 @@ class FlexiCache(Cache):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self.ensure_usable()
         super().batch_select_indices(indices)
+
+    # ---- copies and pickles -----------------------------------------------------------------------------
+    def __getstate__(self) -> dict:
+        """What ``pickle`` / ``torch.save`` store: every layer's pages, tiers and selection state.
+
+        Pending tier copies finish first; CUDA streams and kernels are re-created (and the host tier re-pinned)
+        where the cache is loaded.  The checked model config is not stored: the next forward checks again.
+        """
+        self.ensure_usable()
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.copies.synchronize()
+                if layer.device.type == "cuda":
+                    torch.cuda.current_stream(layer.device).synchronize()
+        state = dict(self.__dict__)
+        state["_checked_config"] = None
+        return state
+
+    def __deepcopy__(self, memo: dict) -> "FlexiCache":
+        """An independent cache holding the same tokens (transformers' prefix-reuse pattern).
+
+        The profile (immutable) and the observer (a callback, e.g. the profiler) are shared with the original;
+        everything else is copied.
+        """
+        state = self.__getstate__()
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for shared in (self.profile, self.observer):
+            memo[id(shared)] = shared
+        new.__dict__.update(copy.deepcopy(state, memo))
+        return new
 
     def reset(self) -> None:
         """Empty every layer (the cache is then as new: statistics too; the profile and config stay)."""

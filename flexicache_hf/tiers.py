@@ -31,6 +31,7 @@ class CopyStream:
     """A low-priority CUDA stream for tier copies, with event-based hand-off to the compute stream."""
 
     def __init__(self, device: torch.device):
+        self.device = device
         self.cuda = device.type == "cuda"
         # Priority 0 is the lowest CUDA priority; compute kernels on higher-priority streams overtake copies.
         self.stream = torch.cuda.Stream(device=device, priority=0) if self.cuda else None
@@ -46,6 +47,14 @@ class CopyStream:
         if self.cuda:
             self._ctx.__exit__(*exc)
         return False
+
+    def __reduce__(self):  # a stream belongs to its process: a copy or an unpickled cache gets a new one
+        return (type(self), (self.device,))
+
+    def synchronize(self) -> None:
+        """Wait (on the host) for every copy issued so far."""
+        if self.cuda:
+            self.stream.synchronize()
 
     def hand_off(self) -> None:
         """Make the compute stream wait for every copy issued so far (no host synchronisation)."""
@@ -67,6 +76,14 @@ class HostTier:
 
     def nbytes(self) -> int:
         return 0 if self.k is None else self.k.nbytes + self.v.nbytes
+
+    def __setstate__(self, state: dict) -> None:
+        # Deep copies and unpickled tensors come back in pageable memory; the UVA copy kernels need pinned memory.
+        self.__dict__.update(state)
+        if self.compute_device.type == "cuda":
+            for name, t in list(vars(self).items()):
+                if isinstance(t, torch.Tensor) and t.device.type == "cpu" and not t.is_pinned():
+                    setattr(self, name, t.pin_memory())
 
     def _alloc(self, page_capacity: int) -> torch.Tensor:
         shape = (self.batch, self.heads, page_capacity, self.page_size, self.head_dim)

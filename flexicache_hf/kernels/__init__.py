@@ -26,6 +26,9 @@ class KernelOps:
     sparse_decode: Callable[..., torch.Tensor]
     copy_pages: Callable[..., None]
 
+    def __reduce__(self):  # by name: a copied or unpickled cache uses this process's kernels
+        return (ops_named, (self.name,))
+
 
 REFERENCE_OPS = KernelOps(
     name="reference",
@@ -35,6 +38,17 @@ REFERENCE_OPS = KernelOps(
     sparse_decode=reference.sparse_decode,
     copy_pages=reference.copy_pages,
 )
+
+
+def ops_named(name: str) -> KernelOps:
+    """The backend called ``name`` (``"reference"`` or ``"triton"``)."""
+    if name == REFERENCE_OPS.name:
+        return REFERENCE_OPS
+    from .gpu import GPU_OPS
+
+    if name != GPU_OPS.name:
+        raise ValueError(f"no kernel backend named {name!r}")
+    return GPU_OPS
 
 
 def ops_for(device: torch.device, *, prefer: str | None = None) -> KernelOps:
