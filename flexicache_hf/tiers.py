@@ -23,6 +23,13 @@ from .kernels import KernelOps
 from .pages import NULL_PAGE, PagePool
 
 
+def format_bytes(n: int) -> str:
+    """``n`` bytes for a message: exact below 1 MiB (a small limit must not read as 0.0 MiB), else MiB."""
+    if n < 2**20:
+        return "1 byte" if n == 1 else f"{n:,} bytes"
+    return f"{n / 2**20:.1f} MiB"
+
+
 class HostMemoryError(MemoryError):
     """The host tier cannot grow: over ``FlexiCacheConfig.host_memory_limit`` or pinned allocation failed."""
 
@@ -103,8 +110,8 @@ class HostTier:
         need = 2 * self.batch * self.heads * page_capacity * self.page_size * self.head_dim * elt
         if self.limit_bytes is not None and need + self._used_elsewhere() > self.limit_bytes:
             raise HostMemoryError(
-                f"the host tier would need {(need + self._used_elsewhere()) / 2**20:.1f} MiB, over "
-                f"host_memory_limit={self.limit_bytes / 2**20:.1f} MiB; raise the limit, shorten the prompt, or "
+                f"the host tier would need {format_bytes(need + self._used_elsewhere())}, over "
+                f"host_memory_limit={format_bytes(self.limit_bytes)}; raise the limit, shorten the prompt, or "
                 "use FlexiCacheConfig(offload=False) to keep every page on the device"
             )
         try:

@@ -26,6 +26,13 @@ def gen(model, ids, cache, n=4, **kw):
     (dict(host_memory_limit=-1), "non-negative"),
     (dict(sink_pages=-1), "non-negative"),
     (dict(token_budget=64, page_size=16, sink_pages=2, recent_pages=2), "leave room"),
+    (dict(page_size=True), "power of two"),  # bool is an int subclass: True would mean 1
+    (dict(token_budget=True), "multiple of page_size"),
+    (dict(rerank_interval=True), "positive integer"),
+    (dict(sink_pages=False), "non-negative integer"),
+    (dict(recent_pages=True), "non-negative integer"),
+    (dict(host_memory_limit=True), "non-negative"),
+    (dict(rerank_interval=2.0), "positive integer"),
 ])
 def test_bad_config_values(fields, match):
     with pytest.raises(ConfigError, match=match):
@@ -110,6 +117,10 @@ def test_host_memory_limit_fails_clearly():
     with pytest.raises(HostMemoryError, match="host_memory_limit"):
         gen(fc, torch.randint(2, 96, (1, 40)), cache)
     assert cache.get_seq_length() == 0  # refused before anything was written
+    tiny = FlexiCache(HeadProfile.all_stable(cfg), page_size=4, token_budget=16, host_memory_limit=1)
+    with pytest.raises(HostMemoryError, match=r"need [0-9,]+ bytes, over host_memory_limit=1 byte;") as err:
+        gen(fc, torch.randint(2, 96, (1, 40)), tiny)
+    assert "0.0 MiB" not in str(err.value)
     roomy = FlexiCache(HeadProfile.all_stable(cfg), page_size=4, token_budget=16, host_memory_limit=1 << 20)
     gen(fc, torch.randint(2, 96, (1, 40)), roomy)
 
