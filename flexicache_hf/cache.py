@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import os
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -130,6 +131,23 @@ class CacheStats:
         return int(sum(int(p) for p in self.promoted))
 
 
+class _HostBytesOf:
+    """``cache.host_bytes()`` for the host tier's cap, without the tier keeping its cache alive."""
+
+    def __init__(self, cache: "FlexiCache"):
+        self.cache = weakref.ref(cache)
+
+    def __call__(self) -> int:
+        cache = self.cache()
+        return 0 if cache is None else cache.host_bytes()
+
+    def __getstate__(self) -> dict:
+        return {"cache": self.cache()}
+
+    def __setstate__(self, state: dict) -> None:
+        self.cache = weakref.ref(state["cache"])
+
+
 class FlexiCacheLayer(CacheLayerMixin):
     """Paged KV of one decoder layer (see the module docstring for the life of a step)."""
 
@@ -139,8 +157,26 @@ class FlexiCacheLayer(CacheLayerMixin):
 
     def __init__(self, layer_idx: int, unstable: tuple[int, ...], config: FlexiCacheConfig, owner: "FlexiCache"):
         super().__init__()
-        self.layer_idx, self.unstable, self.config, self.owner = layer_idx, unstable, config, owner
+        self.layer_idx, self.unstable, self.config = layer_idx, unstable, config
+        # Weak: a cache and its layers form no reference cycle, so a dropped cache frees its device and host
+        # memory at once instead of waiting for the cyclic garbage collector.
+        self._owner = weakref.ref(owner)
         self.seq_len = 0
+
+    @property
+    def owner(self) -> "FlexiCache":
+        owner = self._owner()
+        if owner is None:
+            raise CacheStateError(f"the FlexiCache of layer {self.layer_idx} no longer exists (keep the cache, not a layer)")
+        return owner
+
+    def __getstate__(self) -> dict:  # copies and pickles hold the owner strongly; a weak link again once loaded
+        state = dict(self.__dict__)
+        state["_owner"] = self.owner
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _owner=weakref.ref(state["_owner"]))
 
     # ---- storage -------------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -164,7 +200,7 @@ class FlexiCacheLayer(CacheLayerMixin):
         layout = PoolLayout(B, len(slot_heads), 0, len(full_heads), 0)  # sized by the first update
         self.pool = PagePool(layout, self.full_heads, self.slot_heads, H, cfg.page_size, D, self.dtype, self.device)
         self.host = HostTier(B, len(slot_heads), cfg.page_size, D, self.dtype, self.device,
-                             cfg.host_memory_limit, self.owner.host_bytes)
+                             cfg.host_memory_limit, _HostBytesOf(self.owner))
         self.slots = SlotTable(self.pool, self.device)
         self.reranker = Reranker(B, H, self.unstable, cfg.budget_pages, cfg.rerank_interval,
                                  cfg.max_recent_pages, self.device, cfg.sink_pages, cfg.recent_pages)
