@@ -5,7 +5,7 @@ with transformers' public ``AttentionInterface`` / ``AttentionMaskInterface``.
 """
 
 from .attention import register as _register
-from .cache import CacheStats, FlexiCache, FlexiCacheLayer, PagedKV, UnsupportedModelError
+from .cache import CacheStateError, CacheStats, FlexiCache, FlexiCacheLayer, PagedKV, UnsupportedModelError
 from .config import ConfigError, FlexiCacheConfig
 from .head_profile import HeadProfile, ModelIdentity, ProfileError, resolve_profile
 from .rerank import RerankEvent, SelectionObserver
@@ -14,6 +14,7 @@ from .tiers import HostMemoryError
 _register()
 
 __all__ = [
+    "CacheStateError",
     "CacheStats",
     "ConfigError",
     "FlexiCache",

@@ -5,10 +5,20 @@ right after ``past_key_values.update``.  With a :class:`~flexicache_hf.FlexiCach
 :class:`~flexicache_hf.cache.PagedKV` handle that ``update`` returned, which carries the layer's paged state:
 prompt chunks get exact causal attention over the cached prefix and the chunk, decode steps get top-K
 page selection and sparse paged attention.  With any other cache (or none) it computes exact dense
-attention, so a model loaded with ``attn_implementation="flexicache"`` stays correct with ``DynamicCache``.
+attention, so a model loaded with ``attn_implementation="flexicache"`` gives what ``"sdpa"`` gives with
+``DynamicCache``, ``StaticCache`` (and ``cache_implementation="static"``), offloaded caches or no cache.
 
-The mask function hands over the 2D padding mask (or ``None`` when nothing is padded): padding is all
-FlexiCache needs, and a 4D ``[B, 1, q, kv]`` mask would cost memory quadratic in the context.
+The mask function never sees the cache, only the geometry transformers derives from it.  Two cases:
+
+* **Queries last** (``DynamicCache``, ``FlexiCache``, no cache): the keys are exactly the cached prefix and
+  the new tokens, so causal attention is implied and padding is the only thing a mask adds.  The mask is the
+  2D padding mask ``[B, kv]`` (or ``None`` when nothing is padded): a 4D ``[B, 1, q, kv]`` mask would cost
+  memory quadratic in the context for every FlexiCache prompt chunk.
+* **Anything else** (a static cache hands attention its whole ``max_cache_len`` buffer, unfilled tail
+  included; non-causal mask patterns): transformers' own exact 4D boolean SDPA mask, which the attention
+  function passes to transformers' SDPA attention.  FlexiCache refuses such masks.
+
+Sliding-window (and chunked) attention layers are refused by the mask function, before any layer runs.
 """
 
 from __future__ import annotations
@@ -16,20 +26,46 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
-from .cache import PagedKV
+from .cache import PagedKV, UnsupportedModelError
 
 NAME = "flexicache"
 
+_SLIDING = (
+    "the 'flexicache' attention serves full-attention layers only; this model has sliding-window (or chunked) "
+    "attention layers (window {window}). Load it with attn_implementation='sdpa', or, for checkpoints trained "
+    "with full attention (e.g. Mistral v0.2+), set config.sliding_window=None"
+)
 
-def flexicache_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
-                    mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs):
-    """The padding mask ``[B, kv_length]`` (bool, True = attend) or ``None`` when there is no padding."""
-    if attention_mask is None:
-        return None
-    mask = attention_mask[:, -kv_length:].bool()
-    return None if bool(mask.all()) else mask
+
+def _queries_last(q_length: int, kv_length: int, q_offset, kv_offset: int) -> bool:
+    """True when the keys are exactly every cached position and then the queries' own (no static buffer)."""
+    q_offset = int(q_offset)  # a static cache passes a 0-d tensor
+    return kv_offset == 0 and q_offset + q_length == kv_length
+
+
+def flexicache_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
+                    mask_function=causal_mask_function, attention_mask: torch.Tensor | None = None,
+                    local_size: int | None = None, **kwargs):
+    """The padding mask ``[B, kv_length]`` (bool, True = attend) or ``None`` when the keys are the cached prefix
+    and the queries (the usual case); otherwise transformers' exact 4D boolean SDPA mask."""
+    if local_size is not None:
+        raise UnsupportedModelError(_SLIDING.format(window=local_size))
+    plain_2d = attention_mask is None or (attention_mask.dim() == 2 and attention_mask.shape[-1] == kv_length)
+    if mask_function is causal_mask_function and plain_2d and _queries_last(q_length, kv_length, q_offset,
+                                                                             kv_offset):
+        if attention_mask is None:
+            return None
+        mask = attention_mask.bool()
+        return None if bool(mask.all()) else mask
+    # Never None here: None means "queries last, no padding" to the attention function.
+    for skip in ("allow_is_causal_skip", "allow_is_bidirectional_skip"):
+        kwargs.pop(skip, None)
+    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                     kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                     allow_is_causal_skip=False, allow_is_bidirectional_skip=False, **kwargs)
 
 
 def dense_attention(
@@ -38,13 +74,15 @@ def dense_attention(
     values: torch.Tensor,  # [B, H, L, D]
     key_valid: torch.Tensor | None,  # [B, L] bool, False = padding; None = no padding
     scaling: float,
+    dropout: float = 0.0,
 ) -> torch.Tensor:  # [B, T, Hq, D]
     """Exact causal attention of a chunk over its prefix and itself (torch SDPA, GQA native)."""
     B, Hq, T, D = query.shape
     L = keys.shape[2]
     gqa = Hq != keys.shape[1]
     if key_valid is None and T == L:
-        out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scaling, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scaling, enable_gqa=gqa,
+                                             dropout_p=dropout)
     else:
         qpos = torch.arange(L - T, L, device=query.device)
         kpos = torch.arange(L, device=query.device)
@@ -54,7 +92,7 @@ def dense_attention(
             # A padding query sees no valid key; let it see itself so softmax stays finite (its output is unused).
             mask = mask | (kpos[None, None, :] == qpos[None, :, None])
         out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask[:, None], scale=scaling,
-                                             enable_gqa=gqa)
+                                             enable_gqa=gqa, dropout_p=dropout)
     return out.transpose(1, 2)
 
 
@@ -64,18 +102,45 @@ def flexicache_attention(module: torch.nn.Module, query: torch.Tensor, key, valu
     """transformers attention function: ``query [B, Hq, T, D]`` -> ``([B, T, Hq, D], None)``."""
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    if isinstance(key, PagedKV):
+        try:
+            return _attend_paged(module, query, key, attention_mask, scaling, dropout, kwargs), None
+        except BaseException as e:  # the cache names it if this forward is ever resumed
+            key.layer.owner.guard.note(e)
+            raise
+    _refuse_unsupported(kwargs)
+    if attention_mask is None or attention_mask.dim() == 2:  # queries last (see flexicache_mask)
+        key_valid = None if attention_mask is None else attention_mask.bool()
+        return dense_attention(query, key, value, key_valid, scaling, dropout), None
+    # transformers' exact 4D mask (a static cache's whole buffer, another mask pattern): transformers' own SDPA.
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  **kwargs)
+
+
+def _refuse_unsupported(kwargs: dict) -> None:
+    if kwargs.get("output_attentions"):
+        raise ValueError(
+            "output_attentions=True is not supported by the 'flexicache' attention (it never forms the attention "
+            "weights); load the model with attn_implementation='eager' to inspect them"
+        )
+    if kwargs.get("sliding_window") is not None:
+        raise UnsupportedModelError(_SLIDING.format(window=kwargs["sliding_window"]))
+
+
+def _attend_paged(module, query, handle: PagedKV, attention_mask, scaling: float, dropout: float, kwargs: dict):
+    _refuse_unsupported(kwargs)
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError(
-            "the 'flexicache' attention takes a 2D padding mask (its own mask function makes one); got a "
-            f"{attention_mask.dim()}D mask — custom 4D masks are not supported"
+            "FlexiCache takes causal attention with a 2D padding mask only (the 'flexicache' mask function makes "
+            f"one); got a {attention_mask.dim()}D mask. Custom 4D masks and mask patterns other than causal are not "
+            "supported, and a 2D attention_mask must cover every cached position and the new tokens"
         )
-    if isinstance(key, PagedKV):
-        layer = key.layer
-        layer.owner.check_model(module.config)
-        return layer.attend(key, query, attention_mask, scaling), None
-    # Not a FlexiCache (DynamicCache, or use_cache=False): exact dense attention.
-    key_valid = None if attention_mask is None else attention_mask.bool()
-    return dense_attention(query, key, value, key_valid, scaling), None
+    if dropout:
+        raise ValueError("FlexiCache serves inference only: attention dropout must be 0 (call model.eval())")
+    layer = handle.layer
+    layer.owner.check_model(module.config)
+    layer.owner.check_length(layer.seq_len)  # the first forward learns the context only here
+    return layer.attend(handle, query, attention_mask, scaling)
 
 
 def register() -> None:

@@ -12,7 +12,9 @@ in any number of threads.
 
 from __future__ import annotations
 
+import copy
 import os
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +30,53 @@ from .tiers import CopyStream, HostTier, SlotTable, copy_context, load_promoted,
 
 class UnsupportedModelError(ValueError):
     """The model's attention layout cannot be served by FlexiCache (e.g. sliding-window layers)."""
+
+
+class CacheStateError(RuntimeError):
+    """The cache cannot serve this call: an earlier forward stopped part-way, or layers were driven out of order."""
+
+
+class ForwardGuard:
+    """One forward's progress through the cache: ``update(0), attend(0), update(1), ..., attend(L-1)``.
+
+    A forward that raised (or was interrupted) part-way leaves some layers holding its tokens and others not;
+    reusing such a cache would be silently wrong.  The guard knows: a forward is *open* from the moment layer 0's
+    update starts changing storage until the last layer's attention returns, and validation errors raised before
+    that leave it closed (the cache unchanged).  :meth:`FlexiCache.ensure_usable` acts on an open forward.
+    """
+
+    def __init__(self, num_layers: int):
+        self.num_layers = num_layers
+        self.clear()
+
+    def clear(self) -> None:
+        self.next = (0, "update")
+        self.open = False
+        self.began_empty = True  # the open forward started on an empty cache (nothing of value to lose)
+        self.failure: str | None = None  # the first error FlexiCache saw in the open forward
+
+    def begin(self, layer: int, phase: str, empty: bool = False) -> None:
+        if (layer, phase) != self.next:
+            raise CacheStateError(
+                f"FlexiCache layer {layer}'s {phase} came when layer {self.next[0]}'s {self.next[1]} was due: a "
+                "FlexiCache serves one forward at a time, through every layer in order"
+            )
+        if (layer, phase) == (0, "update"):
+            self.open, self.began_empty, self.failure = True, empty, None
+
+    def end(self, layer: int, phase: str) -> None:
+        if phase == "update":
+            self.next = (layer, "attend")
+        elif layer + 1 < self.num_layers:
+            self.next = (layer + 1, "update")
+        else:
+            self.clear()
+
+    def note(self, error: BaseException) -> None:
+        """Remember the first error of the open forward, to name it when the cache is next used."""
+        if self.open and self.failure is None:
+            text = f"{type(error).__name__}: {error}"
+            self.failure = text if len(text) <= 300 else text[:297] + "..."
 
 
 @dataclass(frozen=True, eq=False)
@@ -46,10 +95,18 @@ class PagedKV:
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        raise TypeError(_WRONG_ATTENTION)
+        error = TypeError(_WRONG_ATTENTION)
+        for arg in (*args, *(kwargs or {}).values()):
+            if isinstance(arg, PagedKV):
+                arg.layer.owner.guard.note(error)
+        raise error
 
     def __getattr__(self, name):  # only reached for attributes a handle lacks (e.g. `.shape`)
-        raise TypeError(f"{_WRONG_ATTENTION} (an attention function asked the handle for `{name}`)")
+        if name.startswith("__") or name == "layer":  # protocol probes (copy, pickle) and unset fields
+            raise AttributeError(name)
+        error = TypeError(f"{_WRONG_ATTENTION} (an attention function asked the handle for `{name}`)")
+        self.layer.owner.guard.note(error)
+        raise error
 
 
 _WRONG_ATTENTION = (
@@ -74,6 +131,23 @@ class CacheStats:
         return int(sum(int(p) for p in self.promoted))
 
 
+class _HostBytesOf:
+    """``cache.host_bytes()`` for the host tier's cap, without the tier keeping its cache alive."""
+
+    def __init__(self, cache: "FlexiCache"):
+        self.cache = weakref.ref(cache)
+
+    def __call__(self) -> int:
+        cache = self.cache()
+        return 0 if cache is None else cache.host_bytes()
+
+    def __getstate__(self) -> dict:
+        return {"cache": self.cache()}
+
+    def __setstate__(self, state: dict) -> None:
+        self.cache = weakref.ref(state["cache"])
+
+
 class FlexiCacheLayer(CacheLayerMixin):
     """Paged KV of one decoder layer (see the module docstring for the life of a step)."""
 
@@ -83,8 +157,26 @@ class FlexiCacheLayer(CacheLayerMixin):
 
     def __init__(self, layer_idx: int, unstable: tuple[int, ...], config: FlexiCacheConfig, owner: "FlexiCache"):
         super().__init__()
-        self.layer_idx, self.unstable, self.config, self.owner = layer_idx, unstable, config, owner
+        self.layer_idx, self.unstable, self.config = layer_idx, unstable, config
+        # Weak: a cache and its layers form no reference cycle, so a dropped cache frees its device and host
+        # memory at once instead of waiting for the cyclic garbage collector.
+        self._owner = weakref.ref(owner)
         self.seq_len = 0
+
+    @property
+    def owner(self) -> "FlexiCache":
+        owner = self._owner()
+        if owner is None:
+            raise CacheStateError(f"the FlexiCache of layer {self.layer_idx} no longer exists (keep the cache, not a layer)")
+        return owner
+
+    def __getstate__(self) -> dict:  # copies and pickles hold the owner strongly; a weak link again once loaded
+        state = dict(self.__dict__)
+        state["_owner"] = self.owner
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _owner=weakref.ref(state["_owner"]))
 
     # ---- storage -------------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -109,7 +201,7 @@ class FlexiCacheLayer(CacheLayerMixin):
         self.pool = PagePool(layout, self.full_heads, self.slot_heads, H, cfg.page_size, D, self.dtype, self.device)
         self.copies = CopyStream(self.device)
         self.host = HostTier(B, len(slot_heads), cfg.page_size, D, self.dtype, self.device,
-                             cfg.host_memory_limit, self.owner.host_bytes, self.copies, self.ops)
+                             cfg.host_memory_limit, _HostBytesOf(self.owner), self.copies, self.ops)
         self.slots = SlotTable(self.pool, self.device)
         self.reranker = Reranker(B, H, self.unstable, cfg.budget_pages, cfg.rerank_interval,
                                  cfg.max_recent_pages, self.device, cfg.sink_pages, cfg.recent_pages)
@@ -152,6 +244,9 @@ class FlexiCacheLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append ``[B, H, T, D]`` states; returns ``(handle, handle)`` for the attention function."""
+        owner = self.owner
+        if self.layer_idx == 0:
+            owner.ensure_usable()  # a forward left part-way: start over (if it began empty) or refuse
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if key_states.shape[0] != self.batch:
@@ -159,15 +254,10 @@ class FlexiCacheLayer(CacheLayerMixin):
                 f"FlexiCache was filled with batch size {self.batch} and now receives {key_states.shape[0]}; "
                 "use a fresh FlexiCache per batch (or batch_select_indices / batch_repeat_interleave)"
             )
-        limit = self.owner.max_positions
         start, T = self.seq_len, key_states.shape[2]
         end = start + T
-        if limit is not None and end > limit:
-            raise ValueError(f"{end} tokens exceed the model's context of {limit} positions (max_position_embeddings)")
-        max_len = self.owner.max_tokens
-        if max_len is not None and end > max_len:
-            raise ValueError(f"{end} tokens exceed this cache's max_cache_len={max_len}; make the cache with a "
-                             "larger max_cache_len (prompt length + max_new_tokens), or without one to let it grow")
+        owner.check_length(end)
+        owner.guard.begin(self.layer_idx, "update", empty=start == 0)  # validated: from here on storage changes
         self._join_copies()  # before growth re-lays the pool, and before a decode token enters a slot
         self._ensure_capacity(end)
         if self.full_heads.numel():
@@ -180,6 +270,7 @@ class FlexiCacheLayer(CacheLayerMixin):
             else:
                 self._append_chunk(k, v, start)
         self.seq_len = end
+        owner.guard.end(self.layer_idx, "update")
         handle = PagedKV(self, key_states, value_states, start)
         return handle, handle
 
@@ -201,7 +292,7 @@ class FlexiCacheLayer(CacheLayerMixin):
     def _append_chunk(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         """A prompt chunk of the offloaded heads goes whole to the host; the device keeps the newest page.
 
-        The next decode step re-ranks every head (step 0), which loads the top-K pages back.
+        The next decode step re-ranks every head (``attend`` restarts the schedule), which loads the top-K back.
         """
         ps = self.config.page_size
         end = start + k.shape[2]
@@ -215,7 +306,6 @@ class FlexiCacheLayer(CacheLayerMixin):
             load_promoted(self.ops, self.pool, self.host, pages, self.tail_phys[..., None])
         self.copies_pending = True  # joined by the next decode step, not now: later layers overlap the copy
         self.host_current = True  # the chunk went to the host whole, its partial newest page included
-        self.reranker.step = 0
 
     def _join_copies(self) -> None:
         """Make the compute stream wait for this layer's queued tier copies (no host synchronisation)."""
@@ -235,6 +325,14 @@ class FlexiCacheLayer(CacheLayerMixin):
     # ---- compute -------------------------------------------------------------------------------------
     def attend(self, handle: PagedKV, query: torch.Tensor, mask2d: torch.Tensor | None, scaling: float) -> torch.Tensor:
         """Attention output ``[B, T, Hq, D]`` for ``query [B, Hq, T, D]`` (called by the attention function)."""
+        if handle.layer is not self or handle.start + handle.keys.shape[2] != self.seq_len:
+            raise CacheStateError(f"a stale FlexiCache handle reached layer {self.layer_idx}'s attention")
+        self.owner.guard.begin(self.layer_idx, "attend")
+        out = self._attend(handle, query, mask2d, scaling)
+        self.owner.guard.end(self.layer_idx, "attend")
+        return out
+
+    def _attend(self, handle: PagedKV, query: torch.Tensor, mask2d: torch.Tensor | None, scaling: float) -> torch.Tensor:
         from .attention import dense_attention  # the dense math lives with the attention function
 
         T = query.shape[2]
@@ -242,6 +340,7 @@ class FlexiCacheLayer(CacheLayerMixin):
             self._observe_padding(mask2d, handle.start)
         self.ops.minmax_update(self.kmin, self.kmax, handle.keys, handle.start, self.valid_lo, self.config.page_size)
         if T > 1 or handle.start == 0:
+            self.reranker.restart()  # whatever the offload mode: the chunk's pages were never scored
             if handle.start == 0:
                 keys, values = handle.keys, handle.values
             else:
@@ -477,8 +576,100 @@ class FlexiCache(Cache):
             for i in range(self.profile.model.num_layers)
         ]
         super().__init__(layers=layers)
+        self.guard = ForwardGuard(len(layers))
         if model_config is not None:
             self.check_model(model_config)
+
+    # ---- one forward at a time, through every layer --------------------------------------------------------
+    def ensure_usable(self) -> None:
+        """Act on a forward that stopped part-way (some layers hold its tokens, others not).
+
+        If it began on an empty cache nothing of value is lost: the cache is emptied and serves the next call as
+        a new one.  Otherwise it raises :class:`CacheStateError` naming the earlier failure, until :meth:`reset`.
+        """
+        g = self.guard
+        if not g.open:
+            return
+        if g.began_empty:
+            self.reset()
+            return
+        layer, phase = g.next
+        where = "attention" if phase == "attend" else "storage"
+        raise CacheStateError(
+            f"this FlexiCache cannot be used: a forward stopped part-way, at layer {layer} of {g.num_layers} ({where}; "
+            f"{g.failure or 'the error was raised outside FlexiCache'}), so some layers hold its tokens and others "
+            "do not. Call cache.reset() to empty it, or use a new FlexiCache"
+        )
+
+    def check_length(self, end: int) -> None:
+        """Refuse ``end`` positions beyond the model's context (known from ``model_config`` or the first forward)
+        or beyond ``max_cache_len``."""
+        limit = self.max_positions
+        if limit is not None and end > limit:
+            raise ValueError(f"{end} tokens exceed the model's context of {limit} positions (max_position_embeddings)")
+        if self.max_tokens is not None and end > self.max_tokens:
+            raise ValueError(f"{end} tokens exceed this cache's max_cache_len={self.max_tokens}; make the cache with a "
+                             "larger max_cache_len (prompt length + max_new_tokens), or without one to let it grow")
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        try:
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        except BaseException as e:
+            self.guard.note(e)
+            raise
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        self.ensure_usable()
+        return super().get_seq_length(layer_idx)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.ensure_usable()
+        super().reorder_cache(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.ensure_usable()
+        super().batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.ensure_usable()
+        super().batch_select_indices(indices)
+
+    # ---- copies and pickles -----------------------------------------------------------------------------
+    def __getstate__(self) -> dict:
+        """What ``pickle`` / ``torch.save`` store: every layer's pages, tiers and selection state.
+
+        Pending tier copies finish first; CUDA streams and kernels are re-created (and the host tier re-pinned)
+        where the cache is loaded.  The checked model config is not stored: the next forward checks again.
+        """
+        self.ensure_usable()
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.copies.synchronize()
+                if layer.device.type == "cuda":
+                    torch.cuda.current_stream(layer.device).synchronize()
+        state = dict(self.__dict__)
+        state["_checked_config"] = None
+        return state
+
+    def __deepcopy__(self, memo: dict) -> "FlexiCache":
+        """An independent cache holding the same tokens (transformers' prefix-reuse pattern).
+
+        The profile (immutable) and the observer (a callback, e.g. the profiler) are shared with the original;
+        everything else is copied.
+        """
+        state = self.__getstate__()
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for shared in (self.profile, self.observer):
+            memo[id(shared)] = shared
+        new.__dict__.update(copy.deepcopy(state, memo))
+        return new
+
+    def reset(self) -> None:
+        """Empty every layer (the cache is then as new: statistics too; the profile and config stay)."""
+        super().reset()
+        self.guard.clear()
+        self.stats = CacheStats()
 
     def check_model(self, model_config) -> None:
         """Refuse a model this cache cannot serve: another shape than the profile's, or non-full attention."""

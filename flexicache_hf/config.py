@@ -9,6 +9,10 @@ class ConfigError(ValueError):
     """A FlexiCacheConfig value that cannot work."""
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)  # bool is an int subclass: True would read as 1
+
+
 @dataclass(frozen=True)
 class FlexiCacheConfig:
     """Configuration of one :class:`~flexicache_hf.FlexiCache`.
@@ -38,21 +42,21 @@ class FlexiCacheConfig:
 
     def __post_init__(self) -> None:
         ps = self.page_size
-        if not isinstance(ps, int) or ps < 1 or ps > 256 or ps & (ps - 1):
+        if not _is_int(ps) or ps < 1 or ps > 256 or ps & (ps - 1):
             raise ConfigError(f"page_size must be a power of two in [1, 256], got {ps!r}")
         tb = self.token_budget
-        if not isinstance(tb, int) or tb < 2 * ps or tb % ps:
+        if not _is_int(tb) or tb < 2 * ps or tb % ps:
             raise ConfigError(
                 f"token_budget must be a multiple of page_size ({ps}) covering at least 2 pages, got {tb!r}"
             )
         r = self.rerank_interval
-        if not isinstance(r, int) or r < 1:
+        if not _is_int(r) or r < 1:
             raise ConfigError(f"rerank_interval must be a positive integer, got {r!r}")
         if not isinstance(self.offload, bool):
             raise ConfigError(f"offload must be a bool, got {self.offload!r}")
         for name in ("sink_pages", "recent_pages"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 0:
+            if not _is_int(v) or v < 0:
                 raise ConfigError(f"{name} must be a non-negative integer, got {v!r}")
         if self.sink_pages + self.recent_pages >= tb // ps:
             raise ConfigError(
@@ -60,7 +64,7 @@ class FlexiCacheConfig:
                 f"of {tb // ps} pages for pages chosen by score"
             )
         cap = self.host_memory_limit
-        if cap is not None and (not isinstance(cap, int) or cap < 0):
+        if cap is not None and (not _is_int(cap) or cap < 0):
             raise ConfigError(f"host_memory_limit must be None or a non-negative number of bytes, got {cap!r}")
 
     @property

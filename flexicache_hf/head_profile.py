@@ -202,6 +202,11 @@ class HeadProfile:
             raise ProfileError(f"provenance must be JSON-serialisable: {e}") from e
         object.__setattr__(self, "provenance", MappingProxyType(prov))
 
+    def __reduce__(self):
+        # The read-only mapping views cannot be pickled or deep-copied; rebuild them from plain dicts.
+        scores = None if self.scores is None else dict(self.scores)
+        return (type(self), (self.model, self.unstable, scores, dict(self.provenance), self.format_version))
+
     def _checked(self, h: Head) -> Head:
         m = self.model
         if not (0 <= h[0] < m.num_layers and 0 <= h[1] < m.num_kv_heads):

@@ -103,6 +103,16 @@ class PagePool:
         self.table_buffer = torch.cat([table.reshape(-1), table.new_zeros(1)])
         self.page_table = self.table_buffer[:-1].view(table.shape)
 
+    def __getstate__(self) -> dict:
+        # pickle stores each tensor's storage on its own, which would split page_table from table_buffer.
+        state = dict(self.__dict__)
+        state["page_table"] = tuple(self.page_table.shape)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.page_table = self.table_buffer[:-1].view(state["page_table"])
+
     @property
     def table_trash_index(self) -> int:
         return self.table_buffer.numel() - 1

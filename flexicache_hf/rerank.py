@@ -55,6 +55,11 @@ class Reranker:
         self.step = 0  # decode steps taken by this layer
         self.reranks = torch.zeros(num_kv_heads, dtype=torch.long)  # per-head re-rank count (host ints)
 
+    def restart(self) -> None:
+        """A prompt chunk just added pages that no head has scored (a first prompt or a multi-turn follow-up,
+        any number of pages): the next decode step is step 0 again, which re-ranks every head."""
+        self.step = 0
+
     def stable_due(self, step: int) -> bool:
         return self.num_stable > 0 and step % self.interval == 0
 
@@ -95,7 +100,7 @@ class Reranker:
         if not stable_rerank and self.num_stable and newest > self.anchor:
             recent = torch.arange(self.anchor + 1, newest + 1, device=sel.device)
             n = recent.numel()
-            if n > self.max_recent:  # cannot happen: slots are sized for one interval of growth
+            if n > self.max_recent:  # cannot happen: decode adds one interval of pages, a prompt chunk restarts
                 raise RuntimeError(f"{n} pages since the last re-rank exceed the {self.max_recent} reserved")
             extra[:, :, :n] = torch.where(self.is_stable[None, :, None], recent, -1)
         return torch.cat([sel, extra], dim=-1)

@@ -24,6 +24,13 @@ from .kernels import KernelOps
 from .pages import NULL_PAGE, PagePool
 
 
+def format_bytes(n: int) -> str:
+    """``n`` bytes for a message: exact below 1 MiB (a small limit must not read as 0.0 MiB), else MiB."""
+    if n < 2**20:
+        return "1 byte" if n == 1 else f"{n:,} bytes"
+    return f"{n / 2**20:.1f} MiB"
+
+
 class HostMemoryError(MemoryError):
     """The host tier cannot grow: over ``FlexiCacheConfig.host_memory_limit`` or pinned allocation failed."""
 
@@ -32,6 +39,7 @@ class CopyStream:
     """A low-priority CUDA stream for tier copies, with event-based hand-off to the compute stream."""
 
     def __init__(self, device: torch.device):
+        self.device = device
         self.cuda = device.type == "cuda"
         # Priority 0 is the lowest CUDA priority; compute kernels on higher-priority streams overtake copies.
         self.stream = torch.cuda.Stream(device=device, priority=0) if self.cuda else None
@@ -47,6 +55,9 @@ class CopyStream:
         if self.cuda:
             self._ctx.__exit__(*exc)
         return False
+
+    def __reduce__(self):  # a stream belongs to its process: a copy or an unpickled cache gets a new one
+        return (type(self), (self.device,))
 
     def hand_off(self) -> None:
         """Make the compute stream wait for every copy issued so far (no host synchronisation)."""
@@ -95,6 +106,15 @@ class HostTier:
     def nbytes(self) -> int:
         return 0 if self.k is None else self.k.nbytes + self.v.nbytes
 
+    def __setstate__(self, state: dict) -> None:
+        # Deep copies and unpickled tensors come back in pageable memory; the UVA copy kernels need pinned memory.
+        self.__dict__.update(state)
+        weakref.finalize(self, self.copies.synchronize)  # as in __init__ (a copy is made without it)
+        if self.compute_device.type == "cuda":
+            for name, t in list(vars(self).items()):
+                if isinstance(t, torch.Tensor) and t.device.type == "cpu" and not t.is_pinned():
+                    setattr(self, name, t.pin_memory())
+
     def _bytes(self, page_capacity: int) -> int:
         """Bytes of one of K / V at ``page_capacity`` pages."""
         elt = torch.finfo(self.dtype).bits // 8
@@ -115,8 +135,8 @@ class HostTier:
             return torch.empty(shape, dtype=self.dtype, pin_memory=self.pinned)
         except (RuntimeError, MemoryError) as e:  # pinned memory is a finite OS resource
             what = "pinned" if self.pinned else "host"
-            mib = self._bytes(page_capacity) * batch / self.batch / 2**20
-            raise HostMemoryError(f"allocating {mib:.1f} MiB of {what} memory failed: {e}") from e
+            n = self._bytes(page_capacity) * batch // self.batch
+            raise HostMemoryError(f"allocating {format_bytes(n)} of {what} memory failed: {e}") from e
 
     def check_grow(self, page_capacity: int) -> int:
         """The capacity ``grow(page_capacity)`` would allocate; raises HostMemoryError, changing nothing,
@@ -130,8 +150,8 @@ class HostTier:
             if 2 * self._bytes(cap) + other > limit:
                 need = 2 * self._bytes(cap) + other
                 raise HostMemoryError(
-                    f"the host tier would need {need / 2**20:.1f} MiB, over host_memory_limit="
-                    f"{limit / 2**20:.1f} MiB; raise the limit, shorten the prompt, or use "
+                    f"the host tier would need {format_bytes(need)}, over host_memory_limit="
+                    f"{format_bytes(limit)}; raise the limit, shorten the prompt, or use "
                     "FlexiCacheConfig(offload=False) to keep every page on the device")
         return cap
 

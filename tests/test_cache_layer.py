@@ -165,3 +165,37 @@ def test_sink_and_recent_pages_are_always_selected():
                 else:
                     assert 0 not in pages
                 assert {n - 3, n - 2, n - 1} <= pages
+
+
+def test_reference_decode_work_follows_the_pages_that_exist_not_the_budget():
+    """A huge budget on a short context: the reference decode does the work of the pages that exist."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from conftest import twin_models
+
+    cfg = tiny_config("llama", heads=4, kv_heads=2, max_pos=4096)
+    fc, _ = twin_models(cfg)
+    ids = torch.randint(2, 96, (1, 40))  # 10 pages of 4 tokens
+    flops, tokens = {}, {}
+    for budget in (64, 65536):
+        cache = FlexiCache(HeadProfile.random(cfg, 0.5), page_size=4, token_budget=budget, rerank_interval=3)
+        out = fc(ids, past_key_values=cache)
+        step = out.logits[:, -1:].argmax(-1)
+        with FlopCounterMode(display=False) as count:
+            out = fc(step, past_key_values=cache)
+        flops[budget], tokens[budget] = count.get_total_flops(), out.logits
+    torch.testing.assert_close(tokens[64], tokens[65536])
+    assert flops[65536] <= 1.05 * flops[64], flops
+
+
+def test_reference_sparse_decode_ignores_unlisted_width():
+    torch.manual_seed(0)
+    B, H, G, D, ps, n = 2, 2, 2, 8, 4, 7
+    k_pool, v_pool = torch.randn(1 + B * H * n, ps, D), torch.randn(1 + B * H * n, ps, D)
+    table = (1 + torch.arange(B * H * n)).view(B, H, n).int()
+    q = torch.randn(B, H * G, D)
+    narrow = torch.tensor([[[0, 2, 6, -1], [1, 3, 5, 6]], [[6, -1, -1, -1], [0, 1, 2, 6]]])
+    wide = torch.cat([narrow, torch.full((B, H, 5000), -1)], -1)[..., torch.randperm(5004)]
+    want = reference.sparse_decode(q, k_pool, v_pool, table, narrow, torch.tensor([0, 3]), 27, 0.3)
+    torch.testing.assert_close(reference.sparse_decode(q, k_pool, v_pool, table, wide, torch.tensor([0, 3]), 27, 0.3),
+                               want)

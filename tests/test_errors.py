@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from conftest import tiny_config, twin_models
-from flexicache_hf import (ConfigError, FlexiCache, FlexiCacheConfig, HeadProfile, HostMemoryError, ProfileError,
+from flexicache_hf import (CacheStateError, ConfigError, FlexiCache, FlexiCacheConfig, HeadProfile, HostMemoryError, ProfileError,
                            UnsupportedModelError)
 
 
@@ -26,6 +26,13 @@ def gen(model, ids, cache, n=4, **kw):
     (dict(host_memory_limit=-1), "non-negative"),
     (dict(sink_pages=-1), "non-negative"),
     (dict(token_budget=64, page_size=16, sink_pages=2, recent_pages=2), "leave room"),
+    (dict(page_size=True), "power of two"),  # bool is an int subclass: True would mean 1
+    (dict(token_budget=True), "multiple of page_size"),
+    (dict(rerank_interval=True), "positive integer"),
+    (dict(sink_pages=False), "non-negative integer"),
+    (dict(recent_pages=True), "non-negative integer"),
+    (dict(host_memory_limit=True), "non-negative"),
+    (dict(rerank_interval=2.0), "positive integer"),
 ])
 def test_bad_config_values(fields, match):
     with pytest.raises(ConfigError, match=match):
@@ -110,6 +117,10 @@ def test_host_memory_limit_fails_clearly():
     with pytest.raises(HostMemoryError, match="host_memory_limit"):
         gen(fc, torch.randint(2, 96, (1, 40)), cache)
     assert cache.get_seq_length() == 0  # refused before anything was written
+    tiny = FlexiCache(HeadProfile.all_stable(cfg), page_size=4, token_budget=16, host_memory_limit=1)
+    with pytest.raises(HostMemoryError, match=r"need [0-9,]+ bytes, over host_memory_limit=1 byte;") as err:
+        gen(fc, torch.randint(2, 96, (1, 40)), tiny)
+    assert "0.0 MiB" not in str(err.value)
     roomy = FlexiCache(HeadProfile.all_stable(cfg), page_size=4, token_budget=16, host_memory_limit=1 << 20)
     gen(fc, torch.randint(2, 96, (1, 40)), roomy)
 
@@ -142,3 +153,125 @@ def test_reset_empties_the_cache():
     cache.reset()
     assert cache.get_seq_length() == 0
     assert torch.equal(gen(fc, ids, cache), first)
+
+
+# ---- a forward that fails part-way: the cache is as new again, or refuses until reset() -------------------------
+SMALL = dict(page_size=4, token_budget=16, rerank_interval=3)
+
+
+def _four_d_mask(fc, dense, cache, ids):
+    T, past = ids.shape[1], cache.get_seq_length()
+    causal = torch.ones(T, past + T, dtype=torch.bool).tril(past)
+    fc(ids, attention_mask=causal[None, None].expand(ids.shape[0], 1, T, past + T), past_key_values=cache)
+
+
+def _right_padding(fc, dense, cache, ids):
+    mask = torch.ones(ids.shape[0], cache.get_seq_length() + ids.shape[1], dtype=torch.long)
+    mask[-1, -3:] = 0
+    fc(ids, attention_mask=mask, past_key_values=cache)
+
+
+FAILURES = {  # each fails inside attention, after layer 0 has stored its tokens
+    "4D mask": (_four_d_mask, ValueError, "2D padding mask"),
+    "sdpa model": (lambda fc, dense, cache, ids: dense(ids, past_key_values=cache), TypeError, "flexicache"),
+    "right padding": (_right_padding, ValueError, "left padding"),
+    "output_attentions": (lambda fc, dense, cache, ids: fc(ids, past_key_values=cache, output_attentions=True),
+                          ValueError, "output_attentions"),
+}
+
+
+def _greedy(model, ids, cache, n=8):
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                          do_sample=False, past_key_values=cache)
+
+
+@pytest.mark.parametrize("failure", [*FAILURES, "over the context"])
+def test_failed_first_forward_leaves_the_cache_as_new(failure):
+    cfg = tiny_config("llama", heads=4, kv_heads=2, max_pos=64)
+    fc, dense = twin_models(cfg)
+    profile = HeadProfile.random(cfg, 0.5, seed=3)
+    cache = FlexiCache(profile, **SMALL)  # no model_config: the context is learnt at the first forward
+    if failure == "over the context":
+        with pytest.raises(ValueError, match="context of 64"):
+            fc(torch.randint(2, 96, (2, 70)), past_key_values=cache)
+    else:
+        run, error, match = FAILURES[failure]
+        with pytest.raises(error, match=match):
+            run(fc, dense, cache, torch.randint(2, 96, (2, 20)))
+    ids = torch.randint(2, 96, (3, 17))  # another batch size and length: nothing of the failed forward is left
+    assert torch.equal(_greedy(fc, ids, cache), _greedy(fc, ids, FlexiCache(profile, **SMALL)))
+
+
+@pytest.mark.parametrize("failure", list(FAILURES))
+def test_failed_follow_up_refuses_until_reset(failure):
+    cfg = tiny_config("llama", heads=4, kv_heads=2)
+    fc, dense = twin_models(cfg)
+    cache = FlexiCache(HeadProfile.random(cfg, 0.5, seed=3), **SMALL)
+    ids = torch.randint(2, 96, (2, 21))
+    first = _greedy(fc, ids, cache)
+    run, error, match = FAILURES[failure]
+    with pytest.raises(error, match=match):
+        run(fc, dense, cache, torch.randint(2, 96, (2, 1 if failure == "sdpa model" else 9)))
+    follow = torch.cat([first, torch.randint(2, 96, (2, 5))], 1)
+    with pytest.raises(CacheStateError, match=rf"(?s)layer 0 of 2.*{match}.*reset\(\)"):
+        _greedy(fc, follow, cache)
+    with pytest.raises(CacheStateError):
+        cache.get_seq_length()
+    cache.reset()
+    assert torch.equal(_greedy(fc, ids, cache), first)
+
+
+def test_over_the_context_on_a_follow_up_is_refused_before_storing():
+    cfg = tiny_config("llama", heads=4, kv_heads=2, max_pos=64)
+    fc, dense = twin_models(cfg)
+    full = dict(page_size=4, token_budget=64, rerank_interval=3)
+    cache, ref = FlexiCache(HeadProfile.random(cfg, 0.5, seed=3), **full), DynamicCache()
+    ids = torch.randint(2, 96, (1, 30))
+    first = _greedy(fc, ids, cache)
+    assert torch.equal(first, _greedy(dense, ids, ref))
+    with pytest.raises(ValueError, match="context of 64"):
+        fc(torch.randint(2, 96, (1, 40)), past_key_values=cache)
+    assert cache.get_seq_length() == first.shape[1] - 1  # untouched: the limit was known at layer 0's update
+    follow = torch.cat([first, torch.randint(2, 96, (1, 5))], 1)
+    assert torch.equal(_greedy(fc, follow, cache, n=4), _greedy(dense, follow, ref, n=4))
+
+
+def test_error_outside_flexicache_mid_forward_is_caught_on_next_use():
+    """An error between layers (here: layer 1's MLP), which FlexiCache never sees, still marks the forward open."""
+    cfg = tiny_config("llama", heads=4, kv_heads=2, layers=3)
+    fc, _ = twin_models(cfg)
+    profile = HeadProfile.random(cfg, 0.5, seed=3)
+    cache = FlexiCache(profile, **SMALL)
+    ids = torch.randint(2, 96, (1, 19))
+    first = _greedy(fc, ids, cache)
+
+    def boom(*_):
+        raise KeyboardInterrupt
+
+    hook = fc.model.layers[1].mlp.register_forward_hook(boom)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            fc(torch.randint(2, 96, (1, 4)), past_key_values=cache)
+        with pytest.raises(CacheStateError, match="layer 2 of 3.*raised outside FlexiCache"):
+            cache.get_seq_length()
+        fresh = FlexiCache(profile, **SMALL)
+        with pytest.raises(KeyboardInterrupt):  # on a cache that was empty: it is as new again
+            fc(ids, past_key_values=fresh)
+    finally:
+        hook.remove()
+    assert fresh.get_seq_length() == 0
+    assert torch.equal(_greedy(fc, ids, fresh), first)
+
+
+def test_reset_also_clears_stats():
+    cfg = tiny_config("llama", heads=4, kv_heads=2)
+    fc, _ = twin_models(cfg)
+    cache = FlexiCache(HeadProfile.random(cfg, 0.5), **SMALL)
+    ids = torch.randint(2, 96, (1, 19))
+    _greedy(fc, ids, cache)
+    once = (cache.stats.decode_steps, cache.stats.prompt_tokens, cache.stats.head_reranks)
+    assert once[0] == 7 and once[1] == 19
+    cache.reset()
+    assert cache.stats.decode_steps == cache.stats.prompt_tokens == cache.stats.head_reranks == 0
+    _greedy(fc, ids, cache)
+    assert (cache.stats.decode_steps, cache.stats.prompt_tokens, cache.stats.head_reranks) == once

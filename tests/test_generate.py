@@ -209,3 +209,35 @@ def test_stored_tokens_equal_dynamic_cache_after_decode_and_follow_up_chunk():
             k, v = layer.gather_tokens(layer.seq_len)
             torch.testing.assert_close(k, want.keys)
             torch.testing.assert_close(v, want.values)
+
+
+def chat_turns(model, cache, turns, n):
+    """Greedy multi-turn chat on one cache: each turn appends its new tokens to the conversation so far."""
+    conversation = None
+    for turn in turns:
+        ids = turn if conversation is None else torch.cat([conversation, turn], 1)
+        conversation = greedy(model, ids, cache, n=n, attention_mask=torch.ones_like(ids))
+    return conversation
+
+
+@pytest.mark.parametrize("offload", [False, True])
+@pytest.mark.parametrize("n", [9, 10, 11])  # follow-ups start at every phase of the re-rank interval (R = 3)
+def test_multi_turn_equals_dense_at_every_rerank_phase(offload, n):
+    cfg = tiny_config("llama", heads=4, kv_heads=2)
+    fc, dense = twin_models(cfg)
+    turns = [torch.randint(2, 96, (1, 30)), torch.randint(2, 96, (1, 13)), torch.randint(2, 96, (1, 22))]
+    cache = FlexiCache(HeadProfile.random(cfg, 0.25, seed=1), FlexiCacheConfig(**FULL, offload=offload))
+    assert torch.equal(chat_turns(fc, cache, turns, n), chat_turns(dense, DynamicCache(), turns, n))
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_multi_turn_small_budget_follow_ups_of_many_pages(offload):
+    """A follow-up prompt adds many pages since the stable heads' last re-rank; the next step re-ranks them all."""
+    cfg = tiny_config("llama", heads=4, kv_heads=2)
+    fc, _ = twin_models(cfg)
+    turns = [torch.randint(2, 96, (1, 50)), torch.randint(2, 96, (1, 21)), torch.randint(2, 96, (1, 40))]
+    for profile in (HeadProfile.all_stable(cfg), HeadProfile.random(cfg, 0.5, seed=2)):
+        for n in (6, 7, 8, 9):
+            cache = FlexiCache(profile, page_size=4, token_budget=16, rerank_interval=4, offload=offload)
+            out = chat_turns(fc, cache, turns, n)
+            assert cache.get_seq_length() == out.shape[1] - 1

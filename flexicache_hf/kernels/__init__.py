@@ -27,6 +27,9 @@ class KernelOps:
     copy_pages: Callable[..., None]
     copy_rows: Callable[..., None]
 
+    def __reduce__(self):  # by name: a copied or unpickled cache uses this process's kernels
+        return (ops_named, (self.name,))
+
 
 REFERENCE_OPS = KernelOps(
     name="reference",
@@ -37,6 +40,17 @@ REFERENCE_OPS = KernelOps(
     copy_pages=reference.copy_pages,
     copy_rows=reference.copy_rows,
 )
+
+
+def ops_named(name: str) -> KernelOps:
+    """The backend called ``name`` (``"reference"`` or ``"triton"``)."""
+    if name == REFERENCE_OPS.name:
+        return REFERENCE_OPS
+    from .gpu import GPU_OPS
+
+    if name != GPU_OPS.name:
+        raise ValueError(f"no kernel backend named {name!r}")
+    return GPU_OPS
 
 
 def ops_for(device: torch.device, *, prefer: str | None = None) -> KernelOps:

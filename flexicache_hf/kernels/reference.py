@@ -118,12 +118,18 @@ def sparse_decode(
     """Attention of one decode query per head over only the listed pages of its KV head.
 
     Softmax runs over exactly the valid tokens of the listed pages; each KV page is read once for all
-    query heads of its group.
+    query heads of its group.  Lists may be wider than the pages that exist (a fixed ``budget`` width); the
+    work follows the listed pages, at most ``ceil(seq_len / page_size)`` per head, not the width.
     """
     B, Hq, D = query.shape
     H, W = pages.shape[1], pages.shape[2]
     ps = k_pool.shape[1]
     group = Hq // H
+    existing = -(-seq_len // ps)
+    if W > existing:  # listed pages are distinct and < existing: the `existing` smallest entries hold them all
+        keyed = torch.where(pages >= 0, pages, existing)
+        pages = pages.gather(2, keyed.topk(existing, dim=-1, largest=False).indices)
+        W = existing
     listed = pages >= 0
     logical = pages.clamp_min(0)
     phys = page_table.long().gather(2, logical)  # [B, H, W]

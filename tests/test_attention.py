@@ -1,0 +1,111 @@
+"""The "flexicache" attention function with transformers' own caches: exact dense attention, like "sdpa".
+
+A model loaded with attn_implementation="flexicache" must give the tokens (and, within float rounding, the logits)
+of the same weights on "sdpa" whatever cache it runs with, or refuse clearly before any cache is written.
+"""
+
+import pytest
+import torch
+from transformers import DynamicCache, StaticCache
+
+from conftest import tiny_config, twin_models
+from flexicache_hf import FlexiCache, HeadProfile, UnsupportedModelError
+
+FAMILIES = [("llama", 4, 4), ("mistral", 6, 2), ("qwen2", 8, 2)]
+
+
+def run(model, ids, mask, n=16, **kw):
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True, **kw)
+    return out.sequences, torch.stack(out.logits, 1)
+
+
+def left_padded(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    L = max(lengths)
+    ids = torch.zeros(len(lengths), L, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, L - n:] = torch.randint(2, 96, (n,), generator=g)
+        mask[i, L - n:] = 1
+    return ids, mask
+
+
+def assert_same(got, want):
+    assert torch.equal(got[0], want[0]), f"{(got[0] == want[0]).float().mean():.3f} of the tokens agree"
+    torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-4)
+
+
+CACHES = {
+    "dynamic": lambda cfg: dict(past_key_values=DynamicCache()),
+    "static": lambda cfg: dict(past_key_values=StaticCache(config=cfg, max_cache_len=96)),
+    "cache_implementation=static": lambda cfg: dict(cache_implementation="static"),
+    "no cache": lambda cfg: dict(use_cache=False),
+}
+
+
+@pytest.mark.parametrize("cache", list(CACHES))
+@pytest.mark.parametrize("kind,heads,kv", FAMILIES)
+def test_equals_sdpa_with_transformers_caches(kind, heads, kv, cache):
+    cfg = tiny_config(kind, heads=heads, kv_heads=kv)
+    fc, dense = twin_models(cfg)
+    ids, mask = left_padded([29])
+    assert_same(run(fc, ids, mask, **CACHES[cache](cfg)), run(dense, ids, mask, **CACHES[cache](cfg)))
+
+
+@pytest.mark.parametrize("cache", list(CACHES))
+def test_left_padded_batch_equals_sdpa(cache):
+    cfg = tiny_config("qwen2", heads=8, kv_heads=2)
+    fc, dense = twin_models(cfg)
+    ids, mask = left_padded([23, 31, 17], seed=1)
+    assert_same(run(fc, ids, mask, **CACHES[cache](cfg)), run(dense, ids, mask, **CACHES[cache](cfg)))
+
+
+def test_multi_turn_static_cache_equals_sdpa():
+    cfg = tiny_config("llama", heads=4, kv_heads=2)
+    fc, dense = twin_models(cfg)
+    follow = torch.randint(2, 96, (1, 11))
+    got, want = [], []
+    for model, out in ((fc, got), (dense, want)):
+        cache = StaticCache(config=cfg, max_cache_len=80)
+        ids, mask = left_padded([21], seed=3)
+        first = run(model, ids, mask, n=8, past_key_values=cache)
+        ids = torch.cat([first[0], follow], 1)
+        out += [first, run(model, ids, torch.ones_like(ids), n=8, past_key_values=cache)]
+    for g, w in zip(got, want):
+        assert_same(g, w)
+
+
+def test_prefill_logits_with_static_cache_equal_sdpa():
+    """The forward itself (no generate): the static cache hands attention its whole unfilled buffer."""
+    cfg = tiny_config("mistral", heads=6, kv_heads=2)
+    fc, dense = twin_models(cfg)
+    ids, mask = left_padded([12, 20], seed=4)
+    outs = []
+    for model in (fc, dense):
+        cache = StaticCache(config=cfg, max_cache_len=64)
+        first = model(ids, attention_mask=mask, past_key_values=cache).logits
+        step = model(ids[:, -1:], attention_mask=torch.cat([mask, torch.ones_like(mask[:, :1])], 1),
+                     past_key_values=cache).logits
+        outs.append((first * mask[..., None], step))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_sliding_window_layers_are_refused_before_any_cache_is_written():
+    cfg = tiny_config("mistral", heads=4, kv_heads=2)
+    cfg.sliding_window = 8
+    fc, _ = twin_models(cfg)
+    cache = DynamicCache()
+    with pytest.raises(UnsupportedModelError, match="sliding"):
+        fc(torch.randint(2, 96, (1, 12)), past_key_values=cache)
+    assert cache.get_seq_length() == 0
+
+
+def test_output_attentions_is_refused():
+    cfg = tiny_config("llama", heads=4, kv_heads=2)
+    fc, _ = twin_models(cfg)
+    ids = torch.randint(2, 96, (1, 9))
+    for cache in (DynamicCache(), FlexiCache(HeadProfile.all_stable(cfg))):
+        with pytest.raises(ValueError, match="output_attentions"):
+            fc(ids, past_key_values=cache, output_attentions=True)
