@@ -147,3 +147,11 @@ def test_a_cache_left_unusable_refuses_to_be_copied(models):
         copy.deepcopy(cache)
     with pytest.raises(CacheStateError, match="reset"):
         pickle.dumps(cache)
+
+
+def test_copy_of_an_unused_cache_works_like_a_new_one(models):
+    cfg, fc, _ = models
+    cache = FlexiCache(HeadProfile.random(cfg, 0.34), **SMALL)
+    ids = torch.randint(2, 96, (2, 26))
+    assert torch.equal(greedy(fc, ids, copy.deepcopy(cache)), greedy(fc, ids, pickle.loads(pickle.dumps(cache))))
+    assert cache.get_seq_length() == 0

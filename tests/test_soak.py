@@ -7,6 +7,7 @@ import torch
 
 from conftest import tiny_config, twin_models
 from flexicache_hf import FlexiCache, HeadProfile
+from flexicache_hf.bench.soak import soak
 
 
 def test_a_dropped_cache_is_freed_without_the_cyclic_collector():
@@ -22,3 +23,13 @@ def test_a_dropped_cache_is_freed_without_the_cyclic_collector():
         assert gone() is None and pages() is None  # no reference cycle: freed by reference counting alone
     finally:
         gc.enable()
+
+
+def test_short_soak_leaves_no_live_caches_or_tensors():
+    report = soak(calls=30, every=10, warmup=3, prompt_tokens=96, new_tokens=8)
+    samples = report["samples"]
+    assert [s["calls"] for s in samples] == [0, 10, 20, 30]
+    assert all(s["FlexiCache"] == 0 and s["FlexiCacheLayer"] == 0 for s in samples)
+    assert report["max_caches_alive_before_gc"] == 0
+    assert samples[-1]["Tensor"] <= samples[0]["Tensor"]
+    assert samples[-1]["tensor_bytes_cpu"] <= samples[0]["tensor_bytes_cpu"]
