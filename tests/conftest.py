@@ -54,6 +54,16 @@ def corpus_cache_dir(tmp_path_factory):
     mp.undo()
 
 
+def word_tokenizer():
+    """A left-padding tokenizer whose words "w0".."w96" are token ids 0..96 (for pipelines on tiny models)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.WordLevel({f"w{i}": i for i in range(97)}, unk_token="w0"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="w0", eos_token="w96", padding_side="left")
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The embedded SmolLM2-135M-Instruct (loaded once per test session; ~30 s on 2 cores)."""

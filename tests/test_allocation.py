@@ -101,3 +101,21 @@ def test_host_tier_limit_refused_without_change_and_rounding_only_when_pinned():
     per_page = 2 * 3 * 4 * 8 * 4  # bytes of one page of K for every row and head
     assert pinned.capacity_for(5) == 5  # 3,840 bytes round to 4,096: no whole page more fits
     assert pinned.capacity_for(6) == 8192 // per_page == 10  # 4,608 bytes round to 8,192
+
+
+def test_pipeline_sizes_the_cache_and_refuses_a_call_beyond_the_context_up_front():
+    from transformers import pipeline
+
+    from conftest import word_tokenizer
+    from flexicache_hf.pipeline import FlexiCachePipeline
+
+    tok = word_tokenizer()
+    cfg = tiny_config("llama", heads=4, kv_heads=2, max_pos=64)
+    fc, _ = twin_models(cfg)
+    pipe = pipeline("text-generation", model=fc, tokenizer=tok, pipeline_class=FlexiCachePipeline,
+                    flexicache_profile=HeadProfile.random(cfg, 0.5), flexicache_config=None)
+    prompt = " ".join(f"w{j % 90 + 2}" for j in range(40))
+    pipe(prompt, max_new_tokens=8, do_sample=False)
+    assert pipe.last_cache.max_tokens == 48 and pipe.last_cache.layers[0].page_capacity == num_pages(48, 16)
+    with pytest.raises(ValueError, match="exceeds the model's context of 64"):
+        pipe(prompt, max_new_tokens=30, do_sample=False)  # 40 + 30 > 64: refused before the prefill

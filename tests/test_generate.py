@@ -129,13 +129,9 @@ def test_batch_repeat_interleave_and_select():
 
 
 def test_pipeline_builds_a_fresh_cache_per_call():
-    from transformers import PreTrainedTokenizerFast
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from conftest import word_tokenizer
 
-    vocab = {f"w{i}": i for i in range(97)}
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
-    tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="w0", eos_token="w96", padding_side="left")
+    tok = word_tokenizer()
     cfg = tiny_config("llama", heads=4, kv_heads=2)
     fc, dense = twin_models(cfg)
     profile = HeadProfile.random(cfg, 0.25)
