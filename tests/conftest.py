@@ -54,6 +54,22 @@ def corpus_cache_dir(tmp_path_factory):
     mp.undo()
 
 
+def copied(cache, how: str):
+    """``cache`` copied by ``copy.deepcopy`` ("deepcopy"), a ``pickle`` round trip ("pickle") or ``torch.save`` /
+    ``torch.load`` ("torch.save")."""
+    import io
+    import pickle
+
+    if how == "deepcopy":
+        return copy.deepcopy(cache)
+    if how == "pickle":
+        return pickle.loads(pickle.dumps(cache))
+    buf = io.BytesIO()
+    torch.save(cache, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)  # a cache is an object graph, not a state dict
+
+
 def word_tokenizer():
     """A left-padding tokenizer whose words "w0".."w96" are token ids 0..96 (for pipelines on tiny models)."""
     from tokenizers import Tokenizer, models, pre_tokenizers

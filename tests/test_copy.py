@@ -1,14 +1,13 @@
 """Copying and saving a filled FlexiCache: transformers' prefix-reuse pattern, pickle and torch.save."""
 
 import copy
-import io
 import pickle
 
 import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import tiny_config, twin_models
+from conftest import copied, tiny_config, twin_models
 from flexicache_hf import CacheStateError, FlexiCache, HeadProfile, SelectionObserver
 
 SMALL = dict(page_size=4, token_budget=16, rerank_interval=3)  # stable heads live in slots + the host tier
@@ -114,13 +113,7 @@ def test_pickled_cache_continues_like_the_original(models, how):
     cfg, fc, _ = models
     cache = FlexiCache(HeadProfile.random(cfg, 0.34, seed=7), **SMALL)
     first = greedy(fc, torch.randint(2, 96, (1, 33)), cache, n=6)
-    if how == "pickle":
-        loaded = pickle.loads(pickle.dumps(cache))
-    else:
-        buf = io.BytesIO()
-        torch.save(cache, buf)
-        buf.seek(0)
-        loaded = torch.load(buf, weights_only=False)  # a cache is an object graph, not a state dict
+    loaded = copied(cache, how)
     assert isinstance(loaded, FlexiCache) and loaded.get_seq_length() == cache.get_seq_length()
     follow = torch.cat([first, torch.randint(2, 96, (1, 5))], 1)
     assert torch.equal(greedy(fc, follow, loaded), greedy(fc, follow, cache))

@@ -68,7 +68,7 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
 
 
-def summarise(clock: StepClock, new_tokens: int) -> dict:
+def summarise(clock: StepClock) -> dict:
     s = clock.stamps
     steps = [1e3 * (b - a) for a, b in zip(s, s[1:])]
     out = {"ttft_s": s[0] - clock.t0, "tokens": len(s), "total_s": s[-1] - clock.t0,
@@ -116,7 +116,7 @@ def generate_once(model, ids, row: str, args, new: int, *, profile=None, stop_af
     clock.t0 = time.perf_counter()
     out = model.generate(ids, **kw)
     torch.cuda.synchronize()
-    res = summarise(clock, new)
+    res = summarise(clock)
     after = pinned_stats()
     res.update(peak_gpu_bytes=torch.cuda.max_memory_allocated(), pinned_bytes=after["pinned_bytes"],
                pinned_allocs_during=after["pinned_allocs"] - before["pinned_allocs"])

@@ -4,10 +4,7 @@ dropped, and the "flexicache" attention with transformers' own caches (static, o
 Run on the lent H200 (never in CI): ``python -m pytest -q -m gpu tests/gpu/test_cache_lifecycle_gpu.py``.
 """
 
-import copy
 import gc
-import io
-import pickle
 import sys
 from pathlib import Path
 
@@ -21,7 +18,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import tiny_config, twin_models  # noqa: E402
+from conftest import copied, tiny_config, twin_models  # noqa: E402
 
 from flexicache_hf import FlexiCache, HeadProfile  # noqa: E402
 
@@ -49,15 +46,7 @@ def test_copied_cuda_cache_is_pinned_and_continues_like_the_original(models, how
     cfg, fc, _ = models
     cache = FlexiCache(HeadProfile.random(cfg, 0.25, seed=1), **SMALL)
     first = greedy(fc, torch.randint(2, 96, (2, 300), device="cuda"), cache)
-    if how == "deepcopy":
-        twin = copy.deepcopy(cache)
-    elif how == "pickle":
-        twin = pickle.loads(pickle.dumps(cache))
-    else:
-        buf = io.BytesIO()
-        torch.save(cache, buf)
-        buf.seek(0)
-        twin = torch.load(buf, weights_only=False)
+    twin = copied(cache, how)
     assert host_tensors(twin) and all(t.is_pinned() for t in host_tensors(twin))
     assert twin.layers[0].copies.stream is not cache.layers[0].copies.stream
     follow = torch.cat([first, torch.randint(2, 96, (2, 20), device="cuda")], 1)
