@@ -24,12 +24,12 @@ Sliding-window (and chunked) attention layers are refused by the mask function, 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
-from .cache import PagedKV, UnsupportedModelError
+from .cache import FlexiCacheLayer, PagedKV, UnsupportedModelError
+from .dense import dense_attention
 
 NAME = "flexicache"
 
@@ -42,7 +42,10 @@ _SLIDING = (
 
 def _queries_last(q_length: int, kv_length: int, q_offset, kv_offset: int) -> bool:
     """True when the keys are exactly every cached position and then the queries' own (no static buffer)."""
-    q_offset = int(q_offset)  # a static cache passes a 0-d tensor
+    if isinstance(q_offset, torch.Tensor):
+        if q_length == 1:
+            return False  # a static cache's (or a graphed FlexiCache's) decode step: never wait for the GPU
+        q_offset = int(q_offset)  # a static cache passes a 0-d tensor
     return kv_offset == 0 and q_offset + q_length == kv_length
 
 
@@ -68,40 +71,14 @@ def flexicache_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, 
                      allow_is_causal_skip=False, allow_is_bidirectional_skip=False, **kwargs)
 
 
-def dense_attention(
-    query: torch.Tensor,  # [B, Hq, T, D]
-    keys: torch.Tensor,  # [B, H, L, D], the last T positions are the queries' own
-    values: torch.Tensor,  # [B, H, L, D]
-    key_valid: torch.Tensor | None,  # [B, L] bool, False = padding; None = no padding
-    scaling: float,
-    dropout: float = 0.0,
-) -> torch.Tensor:  # [B, T, Hq, D]
-    """Exact causal attention of a chunk over its prefix and itself (torch SDPA, GQA native)."""
-    B, Hq, T, D = query.shape
-    L = keys.shape[2]
-    gqa = Hq != keys.shape[1]
-    if key_valid is None and T == L:
-        out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scaling, enable_gqa=gqa,
-                                             dropout_p=dropout)
-    else:
-        qpos = torch.arange(L - T, L, device=query.device)
-        kpos = torch.arange(L, device=query.device)
-        mask = (kpos[None, :] <= qpos[:, None])[None]  # [1, T, L] causal
-        if key_valid is not None:
-            mask = mask & key_valid[:, None, :]
-            # A padding query sees no valid key; let it see itself so softmax stays finite (its output is unused).
-            mask = mask | (kpos[None, None, :] == qpos[None, :, None])
-        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask[:, None], scale=scaling,
-                                             enable_gqa=gqa, dropout_p=dropout)
-    return out.transpose(1, 2)
-
-
 def flexicache_attention(module: torch.nn.Module, query: torch.Tensor, key, value,
                          attention_mask: torch.Tensor | None, scaling: float | None = None,
                          dropout: float = 0.0, **kwargs):
     """transformers attention function: ``query [B, Hq, T, D]`` -> ``([B, T, Hq, D], None)``."""
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    if isinstance(key, FlexiCacheLayer):  # a decode step inside torch.compile (FlexiCache.update's graph path)
+        return key.graph_attend(query, scaling), None
     if isinstance(key, PagedKV):
         try:
             return _attend_paged(module, query, key, attention_mask, scaling, dropout, kwargs), None
@@ -129,6 +106,11 @@ def _refuse_unsupported(kwargs: dict) -> None:
 
 def _attend_paged(module, query, handle: PagedKV, attention_mask, scaling: float, dropout: float, kwargs: dict):
     _refuse_unsupported(kwargs)
+    decode = query.shape[2] == 1 and handle.start > 0
+    if decode and attention_mask is not None and attention_mask.dim() == 4:
+        # generate's static-shape mask of a cache that may be graphed (see FlexiCacheLayer.get_mask_sizes): a
+        # decode step reads each row's left padding from the prompt, so the mask adds nothing.
+        attention_mask = None
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError(
             "FlexiCache takes causal attention with a 2D padding mask only (the 'flexicache' mask function makes "

@@ -15,16 +15,18 @@ from __future__ import annotations
 import copy
 import os
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .config import FlexiCacheConfig
-from .kernels import KernelOps, ops_for
+from .dense import dense_attention
+from .kernels import MAX_SELECT_PAGES, KernelOps, ops_for
 from .pages import PagePool, PoolLayout, grown_capacity, num_pages
 from .head_profile import HeadProfile, ProfileError, resolve_profile
 from .rerank import RerankEvent, Reranker, SelectionObserver
+from .state import GRAPH_PLAN, DecodeState, StepPlan
 from .tiers import CopyStream, HostTier, SlotTable, copy_context, load_promoted, offload_page
 
 
@@ -115,20 +117,20 @@ _WRONG_ATTENTION = (
 )
 
 
-@dataclass
+@dataclass(frozen=True)
 class CacheStats:
-    """Counters of one cache's life (device tensors are summed lazily: reading them synchronises)."""
+    """What one cache did so far (``cache.stats``: a snapshot; reading it synchronises with the device)."""
 
     decode_steps: int = 0
     prompt_tokens: int = 0
-    pages_attended: int = 0  # sum over decode steps, layers, rows and KV heads of listed pages
+    pages_attended: int = 0  # sum over decode steps, layers, rows and KV heads of listed pages (count_pages=True)
     head_reranks: int = 0  # (layer, KV head) re-rank events
     head_steps: int = 0  # (layer, KV head) decode steps
-    promoted: list = field(default_factory=list)  # device scalars: pages loaded from the host tier
+    promoted: int = 0  # pages loaded from the host tier into device slots
     offloaded_pages: int = 0  # pages written to the host tier during decode (per row/head)
 
     def promoted_pages(self) -> int:
-        return int(sum(int(p) for p in self.promoted))
+        return self.promoted
 
 
 class _HostBytesOf:
@@ -151,7 +153,6 @@ class _HostBytesOf:
 class FlexiCacheLayer(CacheLayerMixin):
     """Paged KV of one decoder layer (see the module docstring for the life of a step)."""
 
-    is_compileable = False
     is_croppable = False
     is_sliding = False
 
@@ -203,13 +204,16 @@ class FlexiCacheLayer(CacheLayerMixin):
         self.host = HostTier(B, len(slot_heads), cfg.page_size, D, self.dtype, self.device,
                              cfg.host_memory_limit, _HostBytesOf(self.owner), self.copies, self.ops)
         self.slots = SlotTable(self.pool, self.device)
-        self.reranker = Reranker(B, H, self.unstable, cfg.budget_pages, cfg.rerank_interval,
-                                 cfg.max_recent_pages, self.device, cfg.sink_pages, cfg.recent_pages)
+        self.reranker = Reranker(B, H, self.unstable, cfg.budget_pages, cfg.max_recent_pages, self.device,
+                                 cfg.sink_pages, cfg.recent_pages)
+        self.state = self.owner.decode_state(self.device)  # shared by every layer (the step schedule)
+        self.count_pages = self.owner.count_pages
         self.kmin = torch.empty((B, H, 0, D), dtype=self.dtype, device=self.device)
         self.kmax = torch.empty_like(self.kmin)
         self.valid_lo = torch.zeros(B, dtype=torch.long, device=self.device)
         self.padded = False  # whether any row has left padding (valid_lo > 0), known on the host
-        self.tail_phys = None  # [B, slot_heads] physical page of the newest page of offloaded heads
+        # [B, slot_heads] physical page of the newest page of the offloaded heads (valid once a token is in)
+        self.tail_phys = torch.zeros((B, len(slot_heads)), dtype=torch.long, device=self.device)
         # A prompt chunk's offload runs on the copy stream while the next layers compute; the compute stream
         # joins it only before it next touches this layer's slots (the following decode step).
         self.copies_pending = False
@@ -235,12 +239,31 @@ class FlexiCacheLayer(CacheLayerMixin):
         slots = min(self.config.resident_slots, cap) if self.slot_heads.numel() else 0
         self.pool.grow(cap, slots)
         self.slots.relayout(self.pool)
-        if self.tail_phys is not None:
-            self.tail_phys = self.slots.phys_of((self.seq_len - 1) // self.config.page_size)
+        if self.seq_len and self.slot_heads.numel():
+            self.tail_phys.copy_(self.slots.phys_of((self.seq_len - 1) // self.config.page_size))
         B, H, old, D = self.kmin.shape
         pad = (B, H, cap - old, D)
         self.kmin = torch.cat([self.kmin, self.kmin.new_full(pad, float("inf"))], dim=2)
         self.kmax = torch.cat([self.kmax, self.kmax.new_full(pad, float("-inf"))], dim=2)
+        if max_len is not None:  # allocated once, at a fixed address: a captured decode step may use them
+            self.mark_static()
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every device tensor a decode step reads or writes (fixed addresses once allocated for max_cache_len)."""
+        bufs = [self.pool.k, self.pool.v, self.pool.table_buffer, self.kmin, self.kmax, self.valid_lo,
+                self.tail_phys, self.slot_heads, self.full_heads, self.slots.slot_page, self.slots.slot_phys,
+                *self.reranker.buffers()]
+        if self.host.k_dev is not None:
+            bufs += [self.host.k_dev, self.host.v_dev]
+        return bufs
+
+    def mark_static(self) -> None:
+        """Tell torch.compile the buffers keep their addresses (as StaticCache does), so its CUDA graphs
+        update them in place instead of copying them in and out on every replay."""
+        if self.device.type != "cuda" or torch.compiler.is_compiling():
+            return
+        for t in self.buffers() + self.state.tensors():
+            torch._dynamo.mark_static_address(t)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append ``[B, H, T, D]`` states; returns ``(handle, handle)`` for the attention function."""
@@ -254,40 +277,85 @@ class FlexiCacheLayer(CacheLayerMixin):
                 f"FlexiCache was filled with batch size {self.batch} and now receives {key_states.shape[0]}; "
                 "use a fresh FlexiCache per batch (or batch_select_indices / batch_repeat_interleave)"
             )
+        if self.layer_idx == 0:
+            owner.sync()  # after graph replays: the host learns the length (and refuses an overflow)
         start, T = self.seq_len, key_states.shape[2]
         end = start + T
         owner.check_length(end)
         owner.guard.begin(self.layer_idx, "update", empty=start == 0)  # validated: from here on storage changes
         self._join_copies()  # before growth re-lays the pool, and before a decode token enters a slot
         self._ensure_capacity(end)
-        if self.full_heads.numel():
-            self.pool.full_tokens("k")[:, :, start:end] = key_states[:, self.full_heads]
-            self.pool.full_tokens("v")[:, :, start:end] = value_states[:, self.full_heads]
-        if self.slot_heads.numel():
-            k, v = key_states[:, self.slot_heads], value_states[:, self.slot_heads]
-            if T == 1:
-                self._append_decode_token(k, v, start)
-            else:
-                self._append_chunk(k, v, start)
+        if T == 1 and start > 0:
+            plan = self.state.begin_eager_step() if self.layer_idx == 0 else self.state.plan
+            self.append_token(key_states, value_states, plan)
+        else:
+            if self.layer_idx == 0:
+                self.state.add_chunk(T)
+            if self.full_heads.numel():
+                self.pool.full_tokens("k")[:, :, start:end] = key_states[:, self.full_heads]
+                self.pool.full_tokens("v")[:, :, start:end] = value_states[:, self.full_heads]
+            if self.slot_heads.numel():
+                self._append_chunk(key_states[:, self.slot_heads], value_states[:, self.slot_heads], start)
         self.seq_len = end
         owner.guard.end(self.layer_idx, "update")
         handle = PagedKV(self, key_states, value_states, start)
         return handle, handle
 
-    def _append_decode_token(self, k: torch.Tensor, v: torch.Tensor, pos: int) -> None:
+    def catch_up(self) -> None:
+        """Take the length graph replays reached (the host mirror was just synchronised)."""
+        length = self.state.host_length
+        if length != self.seq_len:
+            self.seq_len = length
+            self.host_current = False  # the replays wrote the newest page to its slot only
+
+    def graph_update(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """A decode step's update as ``torch.compile`` traces it: device state only, nothing on the host.
+
+        The prompt (and any later chunk) runs eagerly through :meth:`update`, which allocates everything at its
+        final address; here layer 0 advances the shared schedule and every layer appends its token.
+        """
+        if not self.is_initialized or key_states.shape[2] != 1:
+            raise CacheStateError(
+                "a compiled FlexiCache forward serves single-token decode steps of a cache filled by an eager prompt "
+                "forward (generate does exactly this); run prompts eagerly"
+            )
+        if self.layer_idx == 0:
+            self.state.advance()
+            self.state.stale = True  # the host mirror is behind from here on (applied after each compiled call)
+        self.append_token(key_states, value_states, GRAPH_PLAN)
+        return self, self  # the attention function recognises the layer itself (see flexicache_attention)
+
+    # ---- the decode step's body (eager and captured alike) --------------------------------------------------
+    def append_token(self, key_states: torch.Tensor, value_states: torch.Tensor, plan: StepPlan) -> None:
+        """Store one token ``[B, H, 1, D]`` at the shared state's position and fold its keys into the MinMax
+        cache.  Device scalars only; ``plan`` merely lets an eager step skip predicated-away launches."""
+        st = self.state
+        if self.full_heads.numel():
+            self.pool.full_tokens("k").index_copy_(2, st.pos, key_states[:, self.full_heads])
+            self.pool.full_tokens("v").index_copy_(2, st.pos, value_states[:, self.full_heads])
+        if self.slot_heads.numel():
+            self._append_slot_token(key_states[:, self.slot_heads], value_states[:, self.slot_heads], plan)
+        B, H, _, D = key_states.shape
+        page = st.page.view(1, 1, 1, 1).expand(B, H, 1, D)
+        keys = key_states.to(self.kmin.dtype)
+        self.kmin.scatter_(2, page, torch.minimum(self.kmin.gather(2, page), keys))
+        self.kmax.scatter_(2, page, torch.maximum(self.kmax.gather(2, page), keys))
+
+    def _append_slot_token(self, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> None:
         """One token of the offloaded heads goes to their newest device page; a full page goes to the host."""
-        ps = self.config.page_size
-        page, off = divmod(pos, ps)
-        if off == 0:
-            self.tail_phys = self.slots.place_new_page(page)
-        phys = self.tail_phys.reshape(-1)
-        self.pool.k[phys, off] = k.reshape(-1, self.head_dim)
-        self.pool.v[phys, off] = v.reshape(-1, self.head_dim)
-        self.host_current = off == ps - 1  # a page that fills goes to the host now; until then only its slot has it
-        if off == ps - 1:
+        st, ps, D = self.state, self.config.page_size, self.head_dim
+        if plan.may(plan.new_page):
+            self.slots.place_new_page(st.page, self.tail_phys, None if plan.new_page else st.new_page)
+        rows = (self.tail_phys * ps + st.offset).reshape(-1)
+        self.pool.k.view(-1, D).index_copy_(0, rows, k.reshape(-1, D))
+        self.pool.v.view(-1, D).index_copy_(0, rows, v.reshape(-1, D))
+        self.host_current = bool(plan.page_full)  # a page that fills goes to the host now; else only its slot has it
+        if plan.may(plan.page_full):
             with copy_context(self.copies):
-                offload_page(self.ops, self.pool, self.host, page, self.tail_phys)
-            self.owner.stats.offloaded_pages += self.batch * self.slot_heads.numel()
+                offload_page(self.ops, self.pool, self.host, st.page, self.tail_phys,
+                             None if plan.page_full else st.page_full)
+            st.counters.add("offloaded", self.batch * self.slot_heads.numel() if plan.page_full
+                            else st.page_full * (self.batch * self.slot_heads.numel()))
 
     def _append_chunk(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         """A prompt chunk of the offloaded heads goes whole to the host; the device keeps the newest page.
@@ -301,7 +369,7 @@ class FlexiCacheLayer(CacheLayerMixin):
             self.host.write_tokens(k, v, start)
             self.slots.clear()
             newest = (end - 1) // ps
-            self.tail_phys = self.slots.place_new_page(newest)
+            self.slots.place_new_page(newest, self.tail_phys)
             pages = torch.full_like(self.tail_phys, newest)[..., None]
             load_promoted(self.ops, self.pool, self.host, pages, self.tail_phys[..., None])
         self.copies_pending = True  # joined by the next decode step, not now: later layers overlap the copy
@@ -317,7 +385,7 @@ class FlexiCacheLayer(CacheLayerMixin):
         """Copy the newest page of the offloaded heads to the host while it is partly filled: decode tokens
         go to its device slot only (a page is offloaded once, when it fills), so until then the host lacks them."""
         ps = self.config.page_size
-        if not self.host_current and self.seq_len % ps and self.tail_phys is not None:
+        if not self.host_current and self.seq_len % ps and self.slot_heads.numel():
             with copy_context(self.copies):
                 offload_page(self.ops, self.pool, self.host, (self.seq_len - 1) // ps, self.tail_phys)
         self.host_current = True
@@ -333,27 +401,29 @@ class FlexiCacheLayer(CacheLayerMixin):
         return out
 
     def _attend(self, handle: PagedKV, query: torch.Tensor, mask2d: torch.Tensor | None, scaling: float) -> torch.Tensor:
-        from .attention import dense_attention  # the dense math lives with the attention function
-
         T = query.shape[2]
-        if T > 1 or handle.start == 0:
-            self._observe_padding(mask2d, handle.start)
+        if T == 1 and handle.start > 0:
+            return self.attend_token(query[:, :, 0], scaling, self.state.plan)[:, None]
+        self._observe_padding(mask2d, handle.start)
         self.ops.minmax_update(self.kmin, self.kmax, handle.keys, handle.start, self.valid_lo, self.config.page_size)
-        if T > 1 or handle.start == 0:
-            self.reranker.restart()  # whatever the offload mode: the chunk's pages were never scored
-            if handle.start == 0:
-                keys, values = handle.keys, handle.values
-            else:
-                nxt = self.layer_idx + 1
-                if nxt < len(self.owner.layers):  # its host read overlaps this layer's attention
-                    self.owner.layers[nxt].prefetch_prefix(handle.start)
-                keys, values = self.gather_tokens(handle.start, then=(handle.keys, handle.values))
-            self.owner.stats.prompt_tokens += T if self.layer_idx == 0 else 0
-            key_valid = None
-            if self.padded:
-                key_valid = torch.arange(keys.shape[2], device=self.device)[None, :] >= self.valid_lo[:, None]
-            return dense_attention(query, keys, values, key_valid, scaling)
-        return self._decode(query[:, :, 0], scaling)[:, None]
+        if handle.start == 0:
+            keys, values = handle.keys, handle.values
+        else:
+            nxt = self.layer_idx + 1
+            if nxt < len(self.owner.layers):  # its host read overlaps this layer's attention
+                self.owner.layers[nxt].prefetch_prefix(handle.start)
+            keys, values = self.gather_tokens(handle.start, then=(handle.keys, handle.values))
+        self.owner.prompt_tokens += T if self.layer_idx == 0 else 0
+        key_valid = None
+        if self.padded:
+            key_valid = torch.arange(keys.shape[2], device=self.device)[None, :] >= self.valid_lo[:, None]
+        out = dense_attention(query, keys, values, key_valid, scaling)
+        if self.layer_idx == len(self.owner.layers) - 1 and self.owner.is_compileable:
+            # The next step may be a graph replay, which cannot wait on the copy streams itself: the compute
+            # stream waits here for the chunk's offload (on the device; the host goes on).
+            for layer in self.owner.layers:
+                layer._join_copies()
+        return out
 
     def _observe_padding(self, mask2d: torch.Tensor | None, start: int) -> None:
         """Learn each row's left-padding length from the 2D mask of a prompt chunk."""
@@ -371,37 +441,41 @@ class FlexiCacheLayer(CacheLayerMixin):
         padded = mask2d is not None and bool(lead.any())
         if start and (padded != self.padded or (padded and not torch.equal(lead, self.valid_lo))):
             raise ValueError("a later prompt chunk changed the left padding of rows already in the cache")
-        self.valid_lo, self.padded = lead, padded
+        self.valid_lo.copy_(lead)  # in place: a decode graph reads it at its address
+        self.padded = padded
 
-    def _decode(self, q: torch.Tensor, scaling: float) -> torch.Tensor:
-        """Top-K selection + sparse paged decode for one token per row; ``q [B, Hq, D]`` -> ``[B, Hq, D]``."""
-        rr, stats = self.reranker, self.owner.stats
-        n = num_pages(self.seq_len, self.config.page_size)
-        step = rr.step
-        rr.step += 1
-        heads = rr.due_heads(step)
-        stable_now = rr.stable_due(step)
-        if heads is not None:
-            pages, scores = rr.rerank(self.ops, q, self.kmin, self.kmax, heads, n)
-            stats.head_reranks += heads.numel()
-            if self.owner.observer is not None:
-                self.owner.observer.on_rerank(RerankEvent(self.layer_idx, step, heads, pages, scores, n, q))
-        if stable_now:
-            rr.anchor = n - 1
-            if self.slot_heads.numel():
-                with copy_context(self.copies):
-                    pages, phys = self.slots.reseat(rr.selected[:, self.slot_heads])
-                    load_promoted(self.ops, self.pool, self.host, pages, phys)
-                self.copies.hand_off()
-                stats.promoted.append((pages >= 0).sum())
-        attend = rr.attend_list(n, stable_now)
-        stats.head_steps += self.num_kv_heads
-        stats.pages_attended += 0 if not self.owner.count_pages else int((attend >= 0).sum())
-        if self.layer_idx == 0:
-            stats.decode_steps += 1
-        self.last_attended = attend
+    def graph_attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """:meth:`attend_token` as ``torch.compile`` traces it (the step planned on the device only)."""
+        return self.attend_token(query[:, :, 0], scaling, GRAPH_PLAN)[:, None]
+
+    def attend_token(self, q: torch.Tensor, scaling: float, plan: StepPlan) -> torch.Tensor:
+        """Top-K selection + sparse paged decode for one token per row; ``q [B, Hq, D]`` -> ``[B, Hq, D]``.
+
+        Unstable heads re-rank every step, stable heads when the shared schedule says so (their promoted
+        pages then come from the host tier into the slots evicted pages free); every head attends its top-K
+        (plus, for stable heads between re-ranks, the pages created since).
+        """
+        st, rr = self.state, self.reranker
+        if rr.num_stable < self.num_kv_heads or plan.may(plan.stable_due):  # some head is due
+            scores = rr.rerank(self.ops, q, self.kmin, self.kmax, st.num_pages, st.due)
+            observer = self.owner.observer if plan is not GRAPH_PLAN else None
+            if observer is not None:
+                heads, n = rr.scored_heads(plan.stable_due), plan.num_pages
+                observer.on_rerank(RerankEvent(self.layer_idx, self.state.host_step - 1, heads,
+                                               rr.selected[:, heads], scores[:, heads, :n], n, q))
+        if self.slot_heads.numel() and plan.may(plan.stable_due):
+            with copy_context(self.copies):
+                pages, phys = self.slots.reseat(rr.selected[:, self.slot_heads], None if plan.stable_due else st.due)
+                load_promoted(self.ops, self.pool, self.host, pages, phys)
+            self.copies.hand_off()
+            st.counters.add("promoted", (pages >= 0).sum())
+        attend = rr.attend_list(st.page, st.anchor, st.due)
+        if self.count_pages:
+            st.counters.add("pages_attended", (attend >= 0).sum())
+        if plan is not GRAPH_PLAN:
+            self.last_attended = attend  # what this step attended (tests, debugging; eager steps only)
         return self.ops.sparse_decode(q, self.pool.k, self.pool.v, self.pool.page_table, attend,
-                                      self.valid_lo, self.seq_len, scaling)
+                                      self.valid_lo, st.length, scaling)
 
     def gather_tokens(self, end: int, then: tuple[torch.Tensor, torch.Tensor] | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -444,12 +518,21 @@ class FlexiCacheLayer(CacheLayerMixin):
             self.prefetched = (end, *self._read_prefix(end))
 
     # ---- HF cache API ----------------------------------------------------------------------------------
-    def get_seq_length(self) -> int:
+    def get_seq_length(self):
+        """Tokens held: an int, or (after captured decode steps, until the host next needs it) the device count,
+        as StaticCache returns it, so that generate's per-step bookkeeping never waits for the GPU."""
+        if self.is_initialized and self.state.stale:
+            return self.state.length[0]
         return self.seq_len
 
     def get_mask_sizes(self, query_length) -> tuple[int, int]:
         if isinstance(query_length, torch.Tensor):  # older transformers pass cache_position
             query_length = query_length.shape[0]
+        if query_length == 1 and self.owner.is_compileable:
+            # A decode step of a cache that may be graphed: the mask spans the whole fixed capacity (as
+            # StaticCache's), so its shape never changes.  Decode reads padding from the prompt, not this mask.
+            return self.owner.max_tokens, 0
+        self.owner.sync()
         return self.seq_len + query_length, 0
 
     def get_max_length(self) -> int:
@@ -458,7 +541,8 @@ class FlexiCacheLayer(CacheLayerMixin):
     def reset(self) -> None:
         if self.is_initialized:
             self.copies.synchronize()  # queued copies must not land in host blocks handed to another cache
-        for name in ("pool", "host", "slots", "reranker", "kmin", "kmax", "valid_lo", "tail_phys", "prefetched"):
+        for name in ("pool", "host", "slots", "reranker", "kmin", "kmax", "valid_lo", "tail_phys", "prefetched",
+                     "state", "last_attended"):
             self.__dict__.pop(name, None)
         self.seq_len = 0
         self.is_initialized = False
@@ -514,8 +598,9 @@ class FlexiCacheLayer(CacheLayerMixin):
         self.host.batch = B
         self.kmin, self.kmax, self.valid_lo = self.kmin[index], self.kmax[index], self.valid_lo[index]
         self.reranker.select_rows(index)
-        if self.tail_phys is not None:
-            self.tail_phys = self.slots.phys_of((self.seq_len - 1) // self.config.page_size)
+        self.tail_phys = torch.zeros((B, self.slot_heads.numel()), dtype=torch.long, device=self.device)
+        if self.seq_len and self.slot_heads.numel():
+            self.tail_phys.copy_(self.slots.phys_of((self.seq_len - 1) // self.config.page_size))
 
     # ---- accounting ---------------------------------------------------------------------------------
     def device_bytes(self) -> int:
@@ -568,7 +653,8 @@ class FlexiCache(Cache):
                                           or max_cache_len < 1):
             raise ValueError(f"max_cache_len must be None or a positive number of tokens, got {max_cache_len!r}")
         self.max_tokens = max_cache_len  # not `max_cache_len`: transformers 5.17 has a property of that name
-        self.stats = CacheStats()
+        self.prompt_tokens = 0
+        self._state = None  # the DecodeState every layer shares, made with the first layer
         self.max_positions = None
         self._checked_config = None
         layers = [
@@ -611,7 +697,37 @@ class FlexiCache(Cache):
             raise ValueError(f"{end} tokens exceed this cache's max_cache_len={self.max_tokens}; make the cache with a "
                              "larger max_cache_len (prompt length + max_new_tokens), or without one to let it grow")
 
+    @property
+    def is_compileable(self) -> bool:
+        """Whether ``generate`` may compile (and CUDA-graph) the decode step, as it does for StaticCache: with a
+        ``max_cache_len`` (everything then has a fixed address), the GPU kernels and no observer (which is told
+        of every re-rank on the host)."""
+        return (self.max_tokens is not None and self.kernels is None and self.observer is None
+                and -(-self.max_tokens // self.config.page_size) <= MAX_SELECT_PAGES)
+
+    def decode_state(self, device: torch.device) -> DecodeState:
+        """The step schedule all layers share (made by the first layer to initialise)."""
+        if self._state is None:
+            self._state = DecodeState(device, self.config.page_size, self.config.rerank_interval, self.max_tokens)
+        return self._state
+
+    @property
+    def stats(self) -> CacheStats:
+        self.sync()
+        st = self._state
+        if st is None:
+            return CacheStats(prompt_tokens=self.prompt_tokens)
+        c = st.counters.read()
+        live = [layer for layer in self.layers if layer.is_initialized]
+        return CacheStats(
+            decode_steps=c["decode_steps"], prompt_tokens=self.prompt_tokens, pages_attended=c["pages_attended"],
+            head_reranks=sum(int(layer.reranker.reranks.sum()) for layer in live),
+            head_steps=c["decode_steps"] * sum(layer.num_kv_heads for layer in live),
+            promoted=c["promoted"], offloaded_pages=c["offloaded"])
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if torch.compiler.is_compiling():  # a decode step being captured: device state only (see graph_update)
+            return self.layers[layer_idx].graph_update(key_states, value_states)
         try:
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
         except BaseException as e:
@@ -619,6 +735,8 @@ class FlexiCache(Cache):
             raise
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
+        if torch.compiler.is_compiling():  # the device count: reading the host flag would guard on it
+            return self.layers[layer_idx].state.length[0]
         self.ensure_usable()
         return super().get_seq_length(layer_idx)
 
@@ -669,7 +787,8 @@ class FlexiCache(Cache):
         """Empty every layer (the cache is then as new: statistics too; the profile and config stay)."""
         super().reset()
         self.guard.clear()
-        self.stats = CacheStats()
+        self.prompt_tokens = 0
+        self._state = None
 
     def check_model(self, model_config) -> None:
         """Refuse a model this cache cannot serve: another shape than the profile's, or non-full attention."""
@@ -699,10 +818,21 @@ class FlexiCache(Cache):
         return sum(layer.device_bytes() for layer in self.layers)
 
     def dense_bytes(self) -> int:
+        self.sync()
         return sum(layer.dense_bytes() for layer in self.layers)
+
+    def sync(self) -> None:
+        """Bring every layer's host-side length up to date after captured decode steps (one synchronisation;
+        raises if a captured step went past ``max_cache_len``)."""
+        if self._state is not None:
+            self._state.sync()
+            for layer in self.layers:
+                if layer.is_initialized:
+                    layer.catch_up()
 
     def memory_report(self) -> dict:
         """Device / host bytes held now, against what ``DynamicCache`` would hold for the same tokens."""
+        self.sync()
         dev, dense = self.device_bytes(), self.dense_bytes()
         return {
             "tokens": self.get_seq_length(),

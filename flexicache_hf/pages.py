@@ -101,17 +101,13 @@ class PagePool:
         # One spare element after the table: scatters send their "no page" entries there, so updating the
         # table never needs a boolean-mask index (which would synchronise with the host on CUDA).
         self.table_buffer = torch.cat([table.reshape(-1), table.new_zeros(1)])
-        self.page_table = self.table_buffer[:-1].view(table.shape)
+        self.table_shape = tuple(table.shape)
 
-    def __getstate__(self) -> dict:
-        # pickle stores each tensor's storage on its own, which would split page_table from table_buffer.
-        state = dict(self.__dict__)
-        state["page_table"] = tuple(self.page_table.shape)
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self.page_table = self.table_buffer[:-1].view(state["page_table"])
+    @property
+    def page_table(self) -> torch.Tensor:
+        """``[B, H, page_capacity]`` int32 view of ``table_buffer`` (a view made on use, not a second stored
+        tensor: a compiled decode step then takes one buffer, not two aliasing inputs)."""
+        return self.table_buffer[:-1].view(self.table_shape)
 
     @property
     def table_trash_index(self) -> int:

@@ -35,74 +35,64 @@ class SelectionObserver:
 
 
 class Reranker:
-    """Schedule and selection state of one layer."""
+    """Selection state of one layer: each head's current top-K pages, and the rule of what is scored / attended.
+
+    The schedule (which step re-ranks stable heads, the anchor page of their last re-rank) is the cache's
+    :class:`~flexicache_hf.state.DecodeState`; everything here takes it as device scalars, so one call sequence
+    serves eager steps and captured graphs alike.
+    """
 
     def __init__(self, batch: int, num_kv_heads: int, unstable: tuple[int, ...], budget_pages: int,
-                 rerank_interval: int, max_recent: int, device: torch.device, sink_pages: int = 0,
-                 recent_pages: int = 0):
-        self.budget_pages, self.interval, self.max_recent = budget_pages, rerank_interval, max_recent
+                 max_recent: int, device: torch.device, sink_pages: int = 0, recent_pages: int = 0):
+        self.budget_pages, self.max_recent = budget_pages, max_recent
         self.sink_pages, self.recent_pages = sink_pages, recent_pages
-        stable = tuple(h for h in range(num_kv_heads) if h not in set(unstable))
-        self.unstable = torch.tensor(unstable, dtype=torch.long, device=device)
-        self.unstable_host = torch.tensor(unstable, dtype=torch.long)  # for host-side counters (no sync)
+        self.unstable_host = tuple(unstable)
+        self.num_stable = num_kv_heads - len(unstable)
         self.all_heads = torch.arange(num_kv_heads, device=device)
         self.is_stable = torch.ones(num_kv_heads, dtype=torch.bool, device=device)
-        self.is_stable[self.unstable] = False
-        self.num_stable = len(stable)
+        self.is_stable[list(unstable)] = False
+        self.recent_offsets = 1 + torch.arange(max_recent, device=device)  # pages after the anchor
         # Selected logical pages per head (ascending, -1 padded); rows of stable heads change only when due.
         self.selected = torch.full((batch, num_kv_heads, budget_pages), -1, dtype=torch.long, device=device)
-        self.anchor = 0  # newest page when stable heads last re-ranked
-        self.step = 0  # decode steps taken by this layer
-        self.reranks = torch.zeros(num_kv_heads, dtype=torch.long)  # per-head re-rank count (host ints)
+        self.reranks = torch.zeros(num_kv_heads, dtype=torch.long, device=device)  # per-head re-rank count
 
-    def restart(self) -> None:
-        """A prompt chunk just added pages that no head has scored (a first prompt or a multi-turn follow-up,
-        any number of pages): the next decode step is step 0 again, which re-ranks every head."""
-        self.step = 0
+    def buffers(self) -> list[torch.Tensor]:
+        return [self.all_heads, self.is_stable, self.recent_offsets, self.selected, self.reranks]
 
-    def stable_due(self, step: int) -> bool:
-        return self.num_stable > 0 and step % self.interval == 0
-
-    def due_heads(self, step: int) -> torch.Tensor | None:
-        """KV heads to score at decode ``step``: every head on stable steps, else the unstable ones."""
-        if self.stable_due(step):
+    def scored_heads(self, stable_due: bool) -> torch.Tensor:
+        """Host-side: the KV heads a step with (or without) a stable re-rank scores (for the observer)."""
+        if stable_due and self.num_stable:
             return self.all_heads
-        return self.unstable if self.unstable.numel() else None
+        return self.all_heads[list(self.unstable_host)]
 
     def rerank(self, ops: KernelOps, query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
-               heads: torch.Tensor, num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Score ``heads`` with the MinMax cache and store their top-K; returns (pages, scores)."""
-        scores = ops.page_scores(query, kmin, kmax, heads, num_pages)
+               num_pages: torch.Tensor, due: torch.Tensor) -> torch.Tensor:
+        """Score the heads due now (unstable heads always; stable ones where ``due``) with the MinMax cache and
+        store their top-K in ``selected``; returns the scores ``[B, H, P_cap]`` (-inf past ``num_pages`` and
+        on heads not due)."""
+        active = ~self.is_stable | due
+        scores = ops.page_scores(query, kmin, kmax, self.all_heads, num_pages, active)
         if self.sink_pages or self.recent_pages:  # forced pages outrank every bound (empty pages stay -inf)
-            forced = scores[:, :, : self.sink_pages]
-            forced.masked_fill_(forced > float("-inf"), float("inf"))
-            if self.recent_pages:
-                forced = scores[:, :, max(0, num_pages - 1 - self.recent_pages):]
-                forced.masked_fill_(forced > float("-inf"), float("inf"))
-        pages = ops.select_pages(scores, self.budget_pages)
-        self.selected[:, heads] = pages
-        if heads.numel() == self.reranks.numel():
-            self.reranks += 1
-        else:
-            self.reranks[self.unstable_host] += 1
-        return pages, scores
+            p = torch.arange(scores.shape[-1], device=scores.device)
+            forced = (p < self.sink_pages) | ((p >= num_pages - 1 - self.recent_pages) & (p < num_pages)
+                                              if self.recent_pages else torch.zeros_like(p, dtype=torch.bool))
+            scores = torch.where(forced & (scores > float("-inf")), float("inf"), scores)
+        ops.select_pages(scores, self.budget_pages, num_pages=num_pages, active=active, out=self.selected)
+        self.reranks.add_(active)
+        return scores
 
-    def attend_list(self, num_pages: int, stable_rerank: bool) -> torch.Tensor:
+    def attend_list(self, newest: torch.Tensor, anchor: torch.Tensor, due: torch.Tensor) -> torch.Tensor:
         """``[B, H, K + max_recent]`` logical pages each head attends to this step (-1 padded).
 
         Heads re-ranked this step attend their fresh top-K (which holds the newest page).  Stable heads
-        between re-ranks attend their previous top-K plus the pages created after it.
+        between re-ranks attend their previous top-K plus the pages created after it (``anchor + 1 ..
+        newest``; a decode interval adds at most ``max_recent`` of them, a prompt chunk restarts the schedule).
         """
         sel = self.selected
         B, H, _ = sel.shape
-        extra = sel.new_full((B, H, self.max_recent), -1)
-        newest = num_pages - 1
-        if not stable_rerank and self.num_stable and newest > self.anchor:
-            recent = torch.arange(self.anchor + 1, newest + 1, device=sel.device)
-            n = recent.numel()
-            if n > self.max_recent:  # cannot happen: decode adds one interval of pages, a prompt chunk restarts
-                raise RuntimeError(f"{n} pages since the last re-rank exceed the {self.max_recent} reserved")
-            extra[:, :, :n] = torch.where(self.is_stable[None, :, None], recent, -1)
+        recent = anchor + self.recent_offsets  # [max_recent]
+        ok = (recent <= newest)[None, :] & self.is_stable[:, None] & ~due  # [H, max_recent]
+        extra = torch.where(ok, recent, -1).expand(B, H, self.max_recent)
         return torch.cat([sel, extra], dim=-1)
 
     def select_rows(self, index: torch.Tensor) -> None:

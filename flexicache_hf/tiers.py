@@ -31,6 +31,25 @@ def format_bytes(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+def cuda_alias(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CUDA tensor on ``device`` viewing the pinned host tensor ``t`` in place (UVA: the same address).
+
+    Built through ``__cuda_array_interface__``, which carries no bfloat16 type code: the bytes are viewed as a
+    same-width integer type and re-typed after.  The alias does not own the memory: keep ``t`` alive.
+    """
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    raw = t.view(width)
+    typestr = {torch.uint8: "|u1", torch.int16: "<i2", torch.int32: "<i4", torch.int64: "<i8"}[width]
+
+    class _Interface:
+        __cuda_array_interface__ = {"shape": tuple(raw.shape), "typestr": typestr, "data": (raw.data_ptr(), False),
+                                    "version": 3, "strides": None}
+
+    with torch.cuda.device(device):
+        alias = torch.as_tensor(_Interface(), device=device)
+    return alias.view(t.dtype)
+
+
 class HostMemoryError(MemoryError):
     """The host tier cannot grow: over ``FlexiCacheConfig.host_memory_limit`` or pinned allocation failed."""
 
@@ -61,7 +80,7 @@ class CopyStream:
 
     def hand_off(self) -> None:
         """Make the compute stream wait for every copy issued so far (no host synchronisation)."""
-        if self.cuda:
+        if self.cuda and not torch.compiler.is_compiling():
             torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
 
     def keep_alive(self, *tensors: torch.Tensor) -> None:
@@ -99,12 +118,18 @@ class HostTier:
         self.pinned = device.type == "cuda"
         self.page_capacity = 0
         self.k = self.v = None
+        self.k_dev = self.v_dev = None  # CUDA aliases of the pinned k / v (see device_pages)
         # The pinned blocks go back to torch's allocator when this tier dies, to be reused by the next cache;
         # cuda-python copies queued here are invisible to that allocator, so let them finish first.
         weakref.finalize(self, copies.synchronize)
 
     def nbytes(self) -> int:
         return 0 if self.k is None else self.k.nbytes + self.v.nbytes
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["k_dev"] = state["v_dev"] = None  # views of this process's pinned pages: made again where loaded
+        return state
 
     def __setstate__(self, state: dict) -> None:
         # Deep copies and unpickled tensors come back in pageable memory; the UVA copy kernels need pinned memory.
@@ -114,6 +139,8 @@ class HostTier:
             for name, t in list(vars(self).items()):
                 if isinstance(t, torch.Tensor) and t.device.type == "cpu" and not t.is_pinned():
                     setattr(self, name, t.pin_memory())
+            if self.k is not None:
+                self._set(self.k, self.v)
 
     def _bytes(self, page_capacity: int) -> int:
         """Bytes of one of K / V at ``page_capacity`` pages."""
@@ -166,11 +193,26 @@ class HostTier:
             self.copies.synchronize()  # queued offloads still write the old tier
             k[:, :, : self.page_capacity].copy_(self.k)
             v[:, :, : self.page_capacity].copy_(self.v)
-        self.k, self.v, self.page_capacity = k, v, cap
+        self._set(k, v)
+        self.page_capacity = cap
+
+    def _set(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k, self.v = k, v
+        if self.pinned:
+            self.k_dev, self.v_dev = cuda_alias(k, self.compute_device), cuda_alias(v, self.compute_device)
 
     def pages(self, which: str) -> torch.Tensor:
         """Flat page view ``[B * heads * page_capacity, page_size, D]``."""
         t = self.k if which == "k" else self.v
+        return t.view(-1, self.page_size, self.head_dim)
+
+    def device_pages(self, which: str) -> torch.Tensor:
+        """:meth:`pages` as the copy kernels address it: on CUDA a *CUDA* tensor aliasing the pinned pages
+        (UVA; what a captured graph and ``torch.compile`` take as a fixed-address device buffer), else the
+        host tensor itself."""
+        if not self.pinned or self.k is None:
+            return self.pages(which)
+        t = self.k_dev if which == "k" else self.v_dev
         return t.view(-1, self.page_size, self.head_dim)
 
     def tokens(self, which: str) -> torch.Tensor:
@@ -213,7 +255,8 @@ class HostTier:
         k, v = self._alloc(self.page_capacity, index.numel()), self._alloc(self.page_capacity, index.numel())
         torch.index_select(self.k, 0, index, out=k)
         torch.index_select(self.v, 0, index, out=v)
-        self.k, self.v, self.batch = k, v, index.numel()
+        self._set(k, v)
+        self.batch = index.numel()
 
 
 class SlotTable:
@@ -251,32 +294,43 @@ class SlotTable:
         self._set_table(self.slot_page, torch.full_like(self.slot_page, NULL_PAGE))
         self.slot_page.fill_(-1)
 
-    def place_new_page(self, page: int) -> torch.Tensor:
-        """Give logical ``page`` (just started by a decode token) a free slot in every row/head; returns
-        the physical pages ``[B, heads]``.  A free slot always exists: slots = top-K + pages per interval."""
+    def place_new_page(self, page, tail: torch.Tensor, when: torch.Tensor | None = None) -> None:
+        """Give logical ``page`` (an int, or a ``[1]`` device tensor) a free slot in every row/head and write
+        its physical page into ``tail [B, heads]``; only where ``when`` (a ``[1]`` bool tensor) holds, if given.
+        A free slot always exists: slots = top-K + pages per interval."""
         free = self.slot_page < 0
         first = free.int().argmax(-1, keepdim=True)  # [B, heads, 1]
-        self.slot_page.scatter_(-1, first, page)
         phys = self.slot_phys.gather(-1, first)
-        self._set_table(torch.full_like(first, page), phys)
-        return phys[..., 0]
+        pages = torch.zeros_like(first) + page  # [B, heads, 1]
+        if when is None:
+            self.slot_page.scatter_(-1, first, pages)
+            self._set_table(pages, phys)
+            tail.copy_(phys[..., 0])
+            return
+        self.slot_page.scatter_(-1, first, torch.where(when, pages, self.slot_page.gather(-1, first)))
+        self._set_table(torch.where(when, pages, -1), phys)  # -1: the table's spare entry
+        tail.copy_(torch.where(when, phys[..., 0], tail))
 
     def phys_of(self, page: int) -> torch.Tensor:
         """Physical pages ``[B, heads]`` holding logical ``page`` (which must be resident)."""
         hit = (self.slot_page == page).int().argmax(-1, keepdim=True)
         return self.slot_phys.gather(-1, hit)[..., 0]
 
-    def reseat(self, wanted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Make exactly the pages ``wanted [B, heads, K]`` (-1 padded) resident.
+    def reseat(self, wanted: torch.Tensor, when: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Make exactly the pages ``wanted [B, heads, K]`` (-1 padded) resident (only where ``when``, a ``[1]``
+        bool tensor, holds, if given: otherwise nothing changes).
 
         Evicted pages free their slots, which the promoted (wanted but absent) pages take.  Returns
         ``(pages, phys)`` ``[B, heads, K]`` of the promoted pages and their slots (-1 where nothing loads),
-        for the caller to fill from the host tier.
+        for the caller to fill from the host tier.  Fixed shapes, no host synchronisation: runs in a graph.
         """
         sp = self.slot_page
         keep = (sp[..., :, None] == wanted[..., None, :]).any(-1) & (sp >= 0)  # [B, h, S]
         present = (wanted[..., :, None] == sp[..., None, :]).any(-1)  # [B, h, K]
         promote = (wanted >= 0) & ~present
+        if when is not None:
+            keep = torch.where(when, keep, sp >= 0)
+            promote = promote & when
         evicted = torch.where(keep, torch.full_like(sp, -1), sp)
         self._set_table(evicted, torch.full_like(evicted, NULL_PAGE))
         sp = torch.where(keep, sp, torch.full_like(sp, -1))
@@ -289,28 +343,34 @@ class SlotTable:
         # Non-promoted entries write -1 into an extra dummy column, so one scatter needs no masking.
         sp = torch.cat([sp, sp.new_full((*sp.shape[:2], 1), -1)], dim=-1)
         sp.scatter_(-1, torch.where(promote, slot, torch.full_like(slot, S)), pages)
-        self.slot_page = sp[..., :S].contiguous()
+        self.slot_page.copy_(sp[..., :S])  # in place: the table keeps its address (graphs read it)
         phys = torch.where(promote, self.slot_phys.gather(-1, slot), torch.full_like(slot, -1))
         self._set_table(pages, phys)
         return pages, phys
 
 
 def copy_context(stream: CopyStream):
-    """``with`` block running tier copies on the side stream (a no-op context on CPU)."""
-    return stream if stream.cuda else contextlib.nullcontext()
+    """``with`` block running tier copies on the side stream (a no-op context on CPU, and while a decode step is
+    being captured: a graph's copies are ordered on its own stream)."""
+    return stream if stream.cuda and not torch.compiler.is_compiling() else contextlib.nullcontext()
 
 
 def load_promoted(ops: KernelOps, pool: PagePool, host: HostTier, pages: torch.Tensor, phys: torch.Tensor) -> None:
     """Fill the slots ``phys`` with host pages ``pages`` (both ``[B, heads, K]``, -1 = none)."""
     src = host.page_index(pages).reshape(-1)
     dst = phys.reshape(-1)
-    ops.copy_pages(pool.k, dst, host.pages("k"), src)
-    ops.copy_pages(pool.v, dst, host.pages("v"), src)
+    ops.copy_pages(pool.k, dst, host.device_pages("k"), src)
+    ops.copy_pages(pool.v, dst, host.device_pages("v"), src)
 
 
-def offload_page(ops: KernelOps, pool: PagePool, host: HostTier, page: int, phys: torch.Tensor) -> None:
-    """Copy the just-filled logical ``page`` of every row/head (in slots ``phys [B, heads]``) to the host."""
+def offload_page(ops: KernelOps, pool: PagePool, host: HostTier, page, phys: torch.Tensor,
+                 when: torch.Tensor | None = None) -> None:
+    """Copy logical ``page`` (an int or a ``[1]`` device tensor) of every row/head, held in slots
+    ``phys [B, heads]``, to the host; only where ``when`` (a ``[1]`` bool tensor) holds, if given."""
     B, nT = phys.shape
-    dst = host.page_index(torch.full((B, nT, 1), page, dtype=torch.long, device=phys.device)).reshape(-1)
-    ops.copy_pages(host.pages("k"), dst, pool.k, phys.reshape(-1))
-    ops.copy_pages(host.pages("v"), dst, pool.v, phys.reshape(-1))
+    pages = torch.zeros((B, nT, 1), dtype=torch.long, device=phys.device) + page
+    dst = host.page_index(pages).reshape(-1)
+    if when is not None:
+        dst = torch.where(when, dst, -1)  # the copy kernel skips -1 entries
+    ops.copy_pages(host.device_pages("k"), dst, pool.k, phys.reshape(-1))
+    ops.copy_pages(host.device_pages("v"), dst, pool.v, phys.reshape(-1))

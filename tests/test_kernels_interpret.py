@@ -120,7 +120,7 @@ else:
                 torch.full((B, H, cap, D), float("-inf"), dtype=dtype))
 
     def test_gpu_ops_table():
-        assert GPU_OPS.name == "triton" and GPU_OPS.sparse_decode is sparse_decode
+        assert GPU_OPS.name == "triton" and GPU_OPS.sparse_decode.eager is sparse_decode
 
     # ---- minmax_update ---------------------------------------------------------------------------------
     @pytest.mark.parametrize("dtype", DTYPES)
@@ -168,6 +168,38 @@ else:
             assert torch.equal(torch.isneginf(ours), torch.isneginf(ref))  # padding-only pages: -inf
             fin = torch.isfinite(ref)
             torch.testing.assert_close(ours[fin], ref[fin], rtol=1e-5, atol=1e-4)
+
+    def test_page_scores_device_count_and_active_heads():
+        """The decode step's form: the page count read on the device, every head, only the due ones scored."""
+        torch.manual_seed(4)
+        B, H, ps, L, D = 2, 4, 16, 150, 64
+        cap = L // ps + 6
+        kmin, kmax = make_minmax(B, H, cap, D, torch.float16)
+        R.minmax_update(kmin, kmax, torch.randn(B, H, L, D).half(), 0, torch.tensor([0, 40]), ps)
+        q = torch.randn(B, H * 2, D).half()
+        n = torch.tensor([L // ps + 1])
+        active = torch.tensor([True, False, True, False])
+        ours = page_scores(q, kmin, kmax, torch.arange(H), n, active)
+        ref = R.page_scores(q, kmin, kmax, torch.arange(H), n, active)
+        assert ours.shape == ref.shape == (B, H, cap)
+        assert torch.equal(torch.isneginf(ours), torch.isneginf(ref))
+        assert bool(torch.isneginf(ours[:, ~active]).all()) and bool(torch.isneginf(ours[:, :, int(n):]).all())
+        fin = torch.isfinite(ref)
+        torch.testing.assert_close(ours[fin], ref[fin], rtol=1e-5, atol=1e-4)
+
+    def test_select_pages_in_place_for_active_rows():
+        torch.manual_seed(5)
+        B, h, P, k = 2, 3, 90, 8
+        s = torch.randn(B, h, P)
+        n = torch.tensor([61])
+        active = torch.tensor([True, False, True])
+        before = torch.full((B, h, k), 7, dtype=torch.long)
+        ours, ref = before.clone(), before.clone()
+        select_pages_triton(s, k, num_pages=n, active=active, out=ours)
+        R.select_pages(s, k, num_pages=n, active=active, out=ref)
+        assert torch.equal(ours, ref)
+        assert torch.equal(ours[:, 1], before[:, 1])  # the inactive head keeps its selection
+        assert torch.equal(ours[:, 0], R.select_pages(s[:, :, :61], k)[:, 0])  # 60 = the newest page, forced
 
     # ---- select_pages ----------------------------------------------------------------------------------
     @pytest.mark.parametrize("P,k", [(1, 4), (5, 8), (40, 4), (40, 40), (300, 16), (1000, 128), (2100, 130)])
@@ -246,6 +278,9 @@ else:
             out = sparse_decode(q, kp, vp, table, pages, valid_lo, L, scale, num_splits=splits, block_n=block_n)
             assert out.dtype == dtype and out.shape == q.shape
             assert rel_err(out, ref) < REL_TOL[dtype], (splits, block_n)
+        # the decode step's form: the length read on the device gives the same result
+        assert torch.equal(sparse_decode(q, kp, vp, table, pages, valid_lo, torch.tensor([L]), scale),
+                           sparse_decode(q, kp, vp, table, pages, valid_lo, L, scale))
 
     @pytest.mark.parametrize("group,D,ps,dtype,L", CASES)
     def test_full_budget_equals_dense(group, D, ps, dtype, L):

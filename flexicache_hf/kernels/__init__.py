@@ -14,6 +14,8 @@ import torch
 
 from . import reference
 
+MAX_SELECT_PAGES = 32768  # longest score row the Triton select holds in one program (longer rows: torch.topk)
+
 
 @dataclass(frozen=True)
 class KernelOps:
@@ -31,13 +33,15 @@ class KernelOps:
         return (ops_named, (self.name,))
 
 
+from .ops import traced  # noqa: E402 - after the constant the kernels read
+
 REFERENCE_OPS = KernelOps(
     name="reference",
     minmax_update=reference.minmax_update,
-    page_scores=reference.page_scores,
-    select_pages=reference.select_pages,
-    sparse_decode=reference.sparse_decode,
-    copy_pages=reference.copy_pages,
+    page_scores=traced("page_scores", reference.page_scores),
+    select_pages=traced("select_pages", reference.select_pages),
+    sparse_decode=traced("sparse_decode", reference.sparse_decode),
+    copy_pages=traced("copy_pages", reference.copy_pages),
     copy_rows=reference.copy_rows,
 )
 

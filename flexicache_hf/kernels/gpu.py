@@ -16,21 +16,29 @@ cuda-python is missing or a tensor is not addressable from the device (pageable 
 from __future__ import annotations
 
 from . import KernelOps
+from types import SimpleNamespace
+
 from .minmax import minmax_update
+from .ops import traced
+from .row_copy import RowCopier
 from .scores import page_scores
 from .select import select_pages
 from .sparse_decode import sparse_decode
-from .row_copy import RowCopier
 from .uva_copy import PageCopier
 
-# The copier owns the compiled NVRTC kernel (one per device, built on first use): GPU_OPS holds its bound
-# method, so the cache lives exactly as long as GPU_OPS.
+# The kernels themselves (what the custom ops of .ops run on CUDA tensors).  The copier owns the compiled
+# NVRTC kernel (one per device, built on first use), so that cache lives exactly as long as this module.
+GPU_KERNELS = SimpleNamespace(page_scores=page_scores, select_pages=select_pages, sparse_decode=sparse_decode,
+                              copy_pages=PageCopier().copy_pages)
+
+# The decode-step kernels go through .ops (direct launches eagerly, custom ops under torch.compile); the
+# prompt-side ones (minmax over a chunk, row copies) run eagerly only.
 GPU_OPS = KernelOps(
     name="triton",
     minmax_update=minmax_update,
-    page_scores=page_scores,
-    select_pages=select_pages,
-    sparse_decode=sparse_decode,
-    copy_pages=PageCopier().copy_pages,
+    page_scores=traced("page_scores", page_scores),
+    select_pages=traced("select_pages", select_pages),
+    sparse_decode=traced("sparse_decode", sparse_decode),
+    copy_pages=traced("copy_pages", GPU_KERNELS.copy_pages),
     copy_rows=RowCopier().copy_rows,
 )

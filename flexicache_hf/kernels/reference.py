@@ -61,14 +61,20 @@ def page_scores(
     kmin: torch.Tensor,  # [B, H, P_cap, D]
     kmax: torch.Tensor,  # [B, H, P_cap, D]
     heads: torch.Tensor,  # [h] int64 KV heads to score
-    num_pages: int,
-) -> torch.Tensor:  # [B, h, num_pages] float32
+    num_pages: int | torch.Tensor,  # pages that exist: an int, or a [1] int64 tensor (read on the device)
+    active: torch.Tensor | None = None,  # [h] bool: heads scored now (None: all); inactive rows are -inf
+) -> torch.Tensor:  # [B, h, num_pages] float32 for an int count, [B, h, P_cap] (-inf past the count) for a tensor
     """Quest's upper bound ``sum_i max(q_i * kmin_i, q_i * kmax_i)`` per page, for the given KV heads.
 
     GQA: every query head of a KV head's group bounds the page on its own and the group keeps the
     **maximum** bound, so a page any query head may need strongly is ranked high (a sum or mean would let
     the other heads of the group outvote it).  Pages without a valid token score ``-inf``.
     """
+    if isinstance(num_pages, torch.Tensor):  # the device count: a row as wide as the cache, -inf past it
+        n = int(num_pages.reshape(-1)[0])
+        out = torch.full((query.shape[0], heads.numel(), kmin.shape[2]), NEG_INF, device=query.device)
+        out[:, :, :n] = page_scores(query, kmin, kmax, heads, n, active)
+        return out
     B, Hq, D = query.shape
     H = kmin.shape[1]
     group = Hq // H
@@ -80,18 +86,31 @@ def page_scores(
     hi = torch.where(empty[..., None], 0.0, hi)
     qe = q[:, :, :, None, :]  # [B, h, G, 1, D]
     bound = torch.maximum(qe * lo[:, :, None], qe * hi[:, :, None]).sum(-1)  # [B, h, G, P]
-    score = bound.amax(2)
-    return score.masked_fill(empty, NEG_INF)
+    score = bound.amax(2).masked_fill(empty, NEG_INF)
+    if active is not None:
+        score = score.masked_fill(~active.to(score.device)[None, :, None], NEG_INF)
+    return score
 
 
 def select_pages(
-    scores: torch.Tensor,  # [B, h, num_pages] float32; -inf = not selectable
+    scores: torch.Tensor,  # [B, h, P] float32; -inf = not selectable
     k: int,
+    *,
+    num_pages: torch.Tensor | None = None,  # [1] int64: rows hold this many pages (None: P)
+    active: torch.Tensor | None = None,  # [h] bool: rows to select (with ``out``; None: all)
+    out: torch.Tensor | None = None,  # [B, h, k] int64: write the active rows here, leave the others
 ) -> torch.Tensor:  # [B, h, k] int64, ascending page ids, -1 padded at the end
     """Top-``k`` pages per (sequence, head), always keeping the last page (the one being appended to).
 
     When fewer than ``k`` pages are selectable, every selectable page is returned and the rest is ``-1``.
     """
+    if num_pages is not None:
+        scores = scores[:, :, : int(num_pages.reshape(-1)[0])]
+    if out is not None:
+        pages = select_pages(scores, k)
+        keep = torch.ones(scores.shape[1], dtype=torch.bool, device=out.device) if active is None else active.to(out.device)
+        out.copy_(torch.where(keep[None, :, None], pages.to(out.device), out))
+        return out
     B, h, P = scores.shape
     s = scores.clone()
     s[:, :, P - 1] = float("inf")  # the page holding the newest token is always attended
@@ -112,7 +131,7 @@ def sparse_decode(
     page_table: torch.Tensor,  # [B, H, P_cap] int32 physical page of each logical page
     pages: torch.Tensor,  # [B, H, W] int64 logical pages to attend (-1 = none); no duplicates
     valid_lo: torch.Tensor,  # [B] int64
-    seq_len: int,
+    seq_len: int | torch.Tensor,  # tokens stored (an int or a [1] int64 tensor)
     scale: float,
 ) -> torch.Tensor:  # [B, Hq, D] in query dtype
     """Attention of one decode query per head over only the listed pages of its KV head.
@@ -125,6 +144,7 @@ def sparse_decode(
     H, W = pages.shape[1], pages.shape[2]
     ps = k_pool.shape[1]
     group = Hq // H
+    seq_len = int(seq_len.reshape(-1)[0]) if isinstance(seq_len, torch.Tensor) else seq_len
     existing = -(-seq_len // ps)
     if W > existing:  # listed pages are distinct and < existing: the `existing` smallest entries hold them all
         keyed = torch.where(pages >= 0, pages, existing)

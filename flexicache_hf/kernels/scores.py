@@ -17,14 +17,16 @@ import triton.language as tl
 from ._util import pow2
 
 
-@triton.jit(do_not_specialize=["num_pages", "n_sel"])  # num_pages grows every step: one variant
+@triton.jit(do_not_specialize=["width", "n_sel"])
 def _page_scores_kernel(
     q_ptr,  # [B, Hq, D] decode queries
     kmin_ptr,  # [B, H, P_cap, D]
     kmax_ptr,  # [B, H, P_cap, D] (same strides as kmin)
     heads_ptr,  # [h] int64 KV heads to score
-    out_ptr,  # [B, h, num_pages] float32, contiguous
-    num_pages,
+    active_ptr,  # [h] bool: score this head now (False: its row is all -inf, nothing is read)
+    num_pages_ptr,  # [1] int64 pages that exist (read on the device: graph replays see the current count)
+    out_ptr,  # [B, h, width] float32, contiguous
+    width,  # pages per output row (>= num_pages; -inf past num_pages)
     n_sel,  # h
     s_qb, s_qh, s_qd,
     s_mb, s_mh, s_mp, s_md,
@@ -38,9 +40,11 @@ def _page_scores_kernel(
     b = bj // n_sel
     j = bj % n_sel
     h = tl.load(heads_ptr + j)
+    num_pages = tl.load(num_pages_ptr)
+    active = tl.load(active_ptr + j).to(tl.int32)
     p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)  # [BLOCK_P] logical pages
     d = tl.arange(0, BLOCK_D)
-    p_ok = p < num_pages
+    p_ok = (p < num_pages) & ((p * 0 + active) != 0)  # masked loads: no traffic (a vector: the interpreter)
     d_ok = d < D
     base = b * s_mb + h * s_mh
     off = base + p.to(tl.int64)[:, None] * s_mp + d[None, :] * s_md
@@ -60,8 +64,8 @@ def _page_scores_kernel(
         qn = tl.minimum(q, 0.0)
         s = tl.sum(qp[None, :] * hi + qn[None, :] * lo, axis=1)  # [BLOCK_P] bound of query head g
         best = tl.maximum(best, s)  # GQA: the group keeps its strongest head's bound
-    best = tl.where(empty, float("-inf"), best)
-    tl.store(out_ptr + bj * num_pages + p, best, mask=p_ok)
+    best = tl.where(p_ok & ~empty, best, float("-inf"))
+    tl.store(out_ptr + bj * width + p, best, mask=p < width)
 
 
 def page_scores(
@@ -69,18 +73,24 @@ def page_scores(
     kmin: torch.Tensor,  # [B, H, P_cap, D]
     kmax: torch.Tensor,  # [B, H, P_cap, D]
     heads: torch.Tensor,  # [h] int64 KV heads to score
-    num_pages: int,
+    num_pages: int | torch.Tensor,  # an int, or a [1] int64 device tensor (then the output spans P_cap)
+    active: torch.Tensor | None = None,  # [h] bool: heads scored now (None: all)
     *,
     block_p: int | None = None,  # pages per program (benchmarks sweep it); None = 64 (32 for D > 128)
     num_warps: int | None = None,  # None = 8 for D >= 128, else 4
-) -> torch.Tensor:  # [B, h, num_pages] float32
+) -> torch.Tensor:  # [B, h, num_pages or P_cap] float32
     """Same contract as :func:`reference.page_scores`."""
     B, Hq, D = query.shape
     H = kmin.shape[1]
     n_sel = heads.numel()
-    out = torch.empty((B, n_sel, num_pages), dtype=torch.float32, device=query.device)
-    if n_sel == 0 or num_pages == 0 or B == 0:
+    width = kmin.shape[2] if isinstance(num_pages, torch.Tensor) else num_pages
+    out = torch.empty((B, n_sel, width), dtype=torch.float32, device=query.device)
+    if n_sel == 0 or width == 0 or B == 0:
         return out
+    if not isinstance(num_pages, torch.Tensor):
+        num_pages = torch.full((1,), num_pages, dtype=torch.long, device=query.device)
+    if active is None:
+        active = torch.ones(n_sel, dtype=torch.bool, device=query.device)
     if kmax.stride() != kmin.stride():
         # rare: give kmax kmin's layout so one set of strides addresses both
         kmax = torch.empty_strided(kmin.size(), kmin.stride(), dtype=kmax.dtype, device=kmax.device).copy_(kmax)
@@ -88,9 +98,9 @@ def page_scores(
     # 64 pages x D=128 per program: 2 x 32 KiB of fp16 MinMax per tile in registers (8 warps), enough
     # programs to fill the GPU from batch ~8 up (B * h * P / 64).
     block_p = block_p or (64 if D <= 128 else 32)
-    grid = (triton.cdiv(num_pages, block_p), B * n_sel)
+    grid = (triton.cdiv(width, block_p), B * n_sel)
     _page_scores_kernel[grid](
-        query, kmin, kmax, heads, out, num_pages, n_sel,
+        query, kmin, kmax, heads, active, num_pages, out, width, n_sel,
         *query.stride(), *kmin.stride(),
         GROUP=Hq // H, D=D, BLOCK_D=pow2(D), BLOCK_P=block_p, num_warps=num_warps or (8 if D >= 128 else 4),
     )

@@ -32,7 +32,7 @@ LOG2E = 1.4426950408889634
 
 # Integers that change every step or per call (lengths, counts) are not specialised: otherwise Triton
 # compiles a new variant whenever one of them turns 1 or a multiple of 16 (e.g. seq_len mid-generation).
-@triton.jit(do_not_specialize=["seq_len", "H", "W", "pages_per_split", "num_splits"])
+@triton.jit(do_not_specialize=["H", "W", "pages_per_split", "num_splits"])
 def _sparse_decode_kernel(
     q_ptr,  # [B, Hq, D]
     k_ptr,  # [N, page_size, D] key pool
@@ -43,7 +43,7 @@ def _sparse_decode_kernel(
     out_ptr,  # [B, Hq, D] query dtype (written when S == 1)
     part_o_ptr,  # [B * H, S, GROUP, D] float32 partial outputs (S > 1)
     part_lse_ptr,  # [B * H, S, GROUP] float32 partial log2-sum-exp (S > 1)
-    seq_len,
+    seq_len_ptr,  # [1] int64 tokens stored (read on the device: graph replays see the current length)
     qk_scale,  # softmax scale * log2(e)
     H,
     W,
@@ -78,6 +78,7 @@ def _sparse_decode_kernel(
     if UPCAST:
         q = q.to(tl.float32)
     lo_valid = tl.load(valid_lo_ptr + b)
+    seq_len = tl.load(seq_len_ptr)
     tok = tl.arange(0, BLOCK_N)
     slot = tok // PAGE_SIZE  # which page of the block each token row belongs to
     off = tok % PAGE_SIZE  # its offset inside the page
@@ -191,7 +192,7 @@ def sparse_decode(
     page_table: torch.Tensor,  # [B, H, P_cap] int32 physical page of each logical page
     pages: torch.Tensor,  # [B, H, W] int64 logical pages to attend (-1 = none); no duplicates
     valid_lo: torch.Tensor,  # [B] int64
-    seq_len: int,
+    seq_len: int | torch.Tensor,  # tokens stored: an int or a [1] int64 device tensor
     scale: float,
     *,
     num_splits: int | None = None,  # tests / benchmarks force a split count; None = plan_splits
@@ -210,6 +211,8 @@ def sparse_decode(
     if W == 0:
         return out.zero_()
     q = query if query.dtype == k_pool.dtype else query.to(k_pool.dtype)  # tl.dot needs one operand dtype
+    if not isinstance(seq_len, torch.Tensor):
+        seq_len = torch.full((1,), seq_len, dtype=torch.long, device=query.device)
     sms = num_sms(query.device)
     # 128-token tiles when there is work for >= 16 pages per program at 8 programs per SM (measured on the
     # H200 at batch 40 x 129 pages: 83% of HBM vs 77% with 64); 64-token tiles otherwise, so small batches

@@ -1,0 +1,104 @@
+"""The kernels of a decode step as ``torch.library`` custom ops, for ``torch.compile``.
+
+Dynamo cannot trace into a Triton launcher's host code (block-size choices, cached SM counts), a cuda-python
+launch or the PyTorch reference's data-dependent shapes, and must not: the decode step it captures in a CUDA
+graph has to replay the launches exactly.  Each kernel is therefore one opaque op ``flexicache::<name>`` with
+a fake implementation (output shapes only) and its mutated arguments declared; the op runs the Triton /
+cuda-python kernel on CUDA tensors and the :mod:`.reference` twin on others (which lets CPU tests compile a
+decode step too).  Eagerly, :class:`~flexicache_hf.kernels.KernelOps` calls the kernels directly (an op's
+dispatch costs more than some of these kernels); inside a compiled region it calls the op (:func:`traced`).
+
+The host tier reaches these ops as a CUDA tensor aliasing its pinned memory
+(:meth:`~flexicache_hf.tiers.HostTier.device_pages`): cudagraph trees only replay buffers that live on the
+device, and the alias is one, at a fixed address.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.library import custom_op
+
+from . import reference
+
+
+def _gpu():
+    from . import gpu  # Triton and cuda-python load only for CUDA tensors
+
+    return gpu.GPU_KERNELS
+
+
+def _impl(name: str, t: Tensor):
+    return getattr(_gpu(), name) if t.is_cuda else getattr(reference, name)
+
+
+@custom_op("flexicache::page_scores", mutates_args=())
+def page_scores_op(query: Tensor, kmin: Tensor, kmax: Tensor, heads: Tensor, num_pages: Tensor,
+                   active: Tensor) -> Tensor:
+    return _impl("page_scores", query)(query, kmin, kmax, heads, num_pages, active)
+
+
+@page_scores_op.register_fake
+def _(query, kmin, kmax, heads, num_pages, active):
+    return query.new_empty((query.shape[0], heads.shape[0], kmin.shape[2]), dtype=torch.float32)
+
+
+@custom_op("flexicache::select_pages", mutates_args=("out",))
+def select_pages_op(scores: Tensor, k: int, num_pages: Tensor, active: Tensor, out: Tensor) -> None:
+    _impl("select_pages", scores)(scores, k, num_pages=num_pages, active=active, out=out)
+
+
+@select_pages_op.register_fake
+def _(scores, k, num_pages, active, out):
+    return None
+
+
+@custom_op("flexicache::sparse_decode", mutates_args=())
+def sparse_decode_op(query: Tensor, k_pool: Tensor, v_pool: Tensor, page_table: Tensor, pages: Tensor,
+                     valid_lo: Tensor, seq_len: Tensor, scale: float) -> Tensor:
+    return _impl("sparse_decode", query)(query, k_pool, v_pool, page_table, pages, valid_lo, seq_len, scale)
+
+
+@sparse_decode_op.register_fake
+def _(query, k_pool, v_pool, page_table, pages, valid_lo, seq_len, scale):
+    return torch.empty_like(query)
+
+
+@custom_op("flexicache::copy_pages", mutates_args=("dst",))
+def copy_pages_op(dst: Tensor, dst_index: Tensor, src: Tensor, src_index: Tensor) -> None:
+    _impl("copy_pages", dst if dst.is_cuda else src)(dst, dst_index, src, src_index)
+
+
+@copy_pages_op.register_fake
+def _(dst, dst_index, src, src_index):
+    return None
+
+
+def traced(name: str, eager):
+    """``eager`` (a kernel with the :mod:`.reference` signature), or its op while torch.compile traces."""
+
+    def page_scores(query, kmin, kmax, heads, num_pages, active=None):
+        if torch.compiler.is_compiling():
+            return page_scores_op(query, kmin, kmax, heads, num_pages, active)
+        return eager(query, kmin, kmax, heads, num_pages, active)
+
+    def select_pages(scores, k, *, num_pages=None, active=None, out=None):
+        if torch.compiler.is_compiling():
+            select_pages_op(scores, k, num_pages, active, out)
+            return out
+        return eager(scores, k, num_pages=num_pages, active=active, out=out)
+
+    def sparse_decode(query, k_pool, v_pool, page_table, pages, valid_lo, seq_len, scale):
+        if torch.compiler.is_compiling():
+            return sparse_decode_op(query, k_pool, v_pool, page_table, pages, valid_lo, seq_len, scale)
+        return eager(query, k_pool, v_pool, page_table, pages, valid_lo, seq_len, scale)
+
+    def copy_pages(dst, dst_index, src, src_index):
+        if torch.compiler.is_compiling():
+            return copy_pages_op(dst, dst_index, src, src_index)
+        return eager(dst, dst_index, src, src_index)
+
+    wrapper = locals()[name]
+    wrapper.__doc__ = eager.__doc__
+    wrapper.eager = eager
+    return wrapper

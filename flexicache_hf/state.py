@@ -1,0 +1,147 @@
+"""One cache's decode schedule, planned once per step and read by every layer.
+
+Every layer of a decode step appends its token at the same position, starts a new page or fills one at the same
+moment, and re-ranks its stable heads on the same steps; so the schedule is worked out once, at layer 0, and every
+layer reads it.  It lives in **device scalars**, advanced by tensor operations (:meth:`DecodeState.advance`), so
+that a captured CUDA graph of the whole forward advances it on every replay; kernels read the counts through
+pointers.  The host keeps a mirror (:class:`StepPlan`) of the same integers while it drives the steps itself
+(eager decode, prompt chunks), which lets the eager path skip work the schedule rules out (no re-rank due: no
+reseat).  Decode steps replayed from a graph leave the mirror behind; it is re-read from the device (one
+synchronisation) the next time the host needs it, never inside a step.
+
+The same object counts what the steps did (:class:`DeviceCounters`), on the device, read when asked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What the host knows of the step being run; ``None`` where it does not know (a graph replay).
+
+    Layers consult it only to skip launches whose effect the device state would mask anyway, so a plan of
+    ``None`` (run everything, predicated) and an exact plan give the same result.
+    """
+
+    new_page: bool | None  # this step's token starts a page
+    page_full: bool | None  # this step's token fills its page
+    stable_due: bool | None  # stable heads re-rank at this step
+    num_pages: int | None  # pages that exist once the token is appended
+
+    def may(self, flag: bool | None) -> bool:
+        return flag is None or flag
+
+
+GRAPH_PLAN = StepPlan(None, None, None, None)  # a captured step: nothing is known on the host
+
+
+class DecodeState:
+    """Device scalars of the current decode step, shared by every layer of one cache.
+
+    Persistent counters: ``length`` (tokens stored once this step's token is in, capped at ``capacity``),
+    ``step`` (decode steps since the last prompt chunk; step 0 re-ranks every head), ``anchor`` (newest page
+    when stable heads last re-ranked), ``overflow`` (a step went past ``capacity``: set in a graph, raised by
+    the host).  Per step, from :meth:`advance`: ``pos``, ``page``, ``offset``, ``num_pages``, ``new_page``,
+    ``page_full``, ``due``.  Every tensor has shape ``[1]`` and a fixed address for the cache's life.
+    """
+
+    def __init__(self, device: torch.device, page_size: int, rerank_interval: int, capacity: int | None):
+        self.device, self.page_size, self.interval = torch.device(device), page_size, rerank_interval
+        self.capacity = capacity  # tokens the buffers hold (None: they grow, so no graph is captured)
+        long = lambda: torch.zeros(1, dtype=torch.long, device=self.device)  # noqa: E731
+        flag = lambda: torch.zeros(1, dtype=torch.bool, device=self.device)  # noqa: E731
+        self.length, self.step, self.anchor = long(), long(), long()
+        self.pos, self.page, self.offset, self.num_pages = long(), long(), long(), long()
+        self.new_page, self.page_full, self.due, self.overflow = flag(), flag(), flag(), flag()
+        self.host_length = 0  # the host's mirror of `length` and `step` (valid unless `stale`)
+        self.host_step = 0
+        self.stale = False  # graph replays advanced the device state past the mirror
+        self.overflowed = False  # the host saw `overflow` set
+        self.plan: StepPlan | None = None  # the host's plan of the step under way (eager steps)
+        self.counters = DeviceCounters(self.device)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.length, self.step, self.anchor, self.pos, self.page, self.offset, self.num_pages,
+                self.new_page, self.page_full, self.due, self.overflow, self.counters.values]
+
+    # ---- the step ---------------------------------------------------------------------------------------
+    def advance(self) -> None:
+        """Plan the next decode token (tensor operations only: runs inside a captured graph)."""
+        ps = self.page_size
+        pos = self.length if self.capacity is None else torch.clamp_max(self.length, self.capacity - 1)
+        if self.capacity is not None:
+            self.overflow.logical_or_(self.length >= self.capacity)
+        self.pos.copy_(pos)
+        self.page.copy_(torch.div(pos, ps, rounding_mode="floor"))
+        self.offset.copy_(pos - self.page * ps)
+        self.num_pages.copy_(self.page + 1)
+        self.new_page.copy_(self.offset == 0)
+        self.page_full.copy_(self.offset == ps - 1)
+        self.due.copy_(torch.remainder(self.step, self.interval) == 0)
+        self.anchor.copy_(torch.where(self.due, self.page, self.anchor))
+        self.length.copy_(pos + 1)
+        self.step.add_(1)
+        self.counters.add("decode_steps", 1)
+
+    def begin_eager_step(self) -> StepPlan:
+        """:meth:`advance`, plus the host's exact plan of the same step."""
+        self.sync()
+        pos, ps = self.host_length, self.page_size
+        self.plan = StepPlan(new_page=pos % ps == 0, page_full=pos % ps == ps - 1,
+                             stable_due=self.host_step % self.interval == 0, num_pages=pos // ps + 1)
+        self.advance()
+        self.host_length, self.host_step = pos + 1, self.host_step + 1
+        return self.plan
+
+    def add_chunk(self, tokens: int) -> None:
+        """A prompt chunk of ``tokens`` went in: the next decode step is step 0 again (it re-ranks every
+        head: the chunk's pages were never scored)."""
+        self.sync()
+        self.host_length += tokens
+        self.host_step = 0
+        self.length.fill_(self.host_length)
+        self.step.zero_()
+        self.plan = None
+
+    def sync(self) -> None:
+        """Bring the host mirror up to date after graph replays (one device synchronisation)."""
+        if self.stale:  # (eager steps never pass the capacity: the host refuses them first)
+            self.host_length, self.host_step = int(self.length), int(self.step)
+            self.stale = False
+            self.overflowed = self.overflowed or bool(self.overflow)
+        self.check()
+
+    def check(self) -> None:
+        """Refuse to go on from a state a graph replay pushed past the capacity (until :meth:`reset`)."""
+        if self.overflowed:
+            raise OverflowError(
+                f"decoding went past max_cache_len={self.capacity} tokens inside a captured decode step: the "
+                "tokens generated after that point are not valid. Make the cache with a max_cache_len of at least "
+                "the prompt length + max_new_tokens, then reset() it or use a new one"
+            )
+
+    def reset(self) -> None:
+        for t in self.tensors():
+            t.zero_()
+        self.host_length = self.host_step = 0
+        self.stale, self.overflowed, self.plan = False, False, None
+
+
+class DeviceCounters:
+    """Counts kept on the device (adding to them never synchronises); reading one does."""
+
+    NAMES = ("decode_steps", "promoted", "offloaded", "pages_attended")
+
+    def __init__(self, device: torch.device):
+        self.values = torch.zeros(len(self.NAMES), dtype=torch.long, device=device)
+
+    def add(self, name: str, amount) -> None:
+        i = self.NAMES.index(name)
+        self.values[i : i + 1].add_(amount)
+
+    def read(self) -> dict[str, int]:
+        return dict(zip(self.NAMES, self.values.tolist()))

@@ -1,0 +1,123 @@
+"""The decode step as torch.compile traces it: one graph, no breaks, the same tokens as the eager path.
+
+On CUDA, ``generate`` compiles a compileable cache's decode step with ``mode="reduce-overhead"`` (CUDA graphs).
+These CPU tests take transformers' own route too -- ``generate`` compiling the forward itself -- with the
+``aot_eager`` backend (Dynamo + AOT autograd, no code generation), which checks what matters for a graph:
+the whole decode forward traces in one piece (``fullgraph=True``), with every kernel an opaque custom op and
+all per-step state on the device, so the program never changes from step to step.
+"""
+
+import pytest
+import torch
+from transformers import CompileConfig, DynamicCache
+
+from conftest import tiny_config, twin_models
+from flexicache_hf import FlexiCache
+from flexicache_hf.head_profile import HeadProfile
+
+
+def compile_config():
+    cc = CompileConfig(backend="aot_eager", fullgraph=True, mode=None)
+    cc._compile_all_devices = True  # generate compiles on CUDA only unless told
+    return cc
+
+
+def graphs():
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    torch._dynamo.reset()
+    cfg = tiny_config("llama", heads=4, kv_heads=2, layers=2, head_dim=16)
+    fc, dense = twin_models(cfg)
+    ids = torch.randint(2, 90, (2, 37), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # a left-padded row
+    return cfg, fc, dense, ids, mask
+
+
+def run(model, ids, mask, cache, new, compiled):
+    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, attention_mask=mask, pad_token_id=0)
+    if compiled:
+        kw["compile_config"] = compile_config()
+    else:
+        kw["disable_compile"] = True
+    return model.generate(ids, past_key_values=cache, **kw)
+
+
+@pytest.mark.parametrize("offload", [True, False])
+def test_compiled_decode_equals_eager_in_one_graph(setup, offload):
+    cfg, fc, _, ids, mask = setup
+    prof = HeadProfile.from_unstable(cfg, [(0, 1)])
+    make = lambda: FlexiCache(prof, page_size=4, token_budget=12, rerank_interval=5, offload=offload,  # noqa: E731
+                              max_cache_len=37 + 40)
+    eager_cache = make()
+    assert eager_cache.is_compileable
+    eager = run(fc, ids, mask, eager_cache, 40, compiled=False)
+    before = graphs()
+    cache = make()
+    out = run(fc, ids, mask, cache, 40, compiled=True)
+    assert cache._state.stale  # the decode steps ran compiled: the host learns their length lazily
+    assert torch.equal(out, eager)
+    assert graphs() - before <= 1  # one program for every step (re-rank or not, new page or not)
+    # a second cache of the same shapes reuses the compiled program
+    again = run(fc, ids, mask, make(), 40, compiled=True)
+    assert torch.equal(again, eager) and graphs() - before <= 1
+    # the device-side counters saw the same steps as the eager run's
+    assert cache.stats == eager_cache.stats
+    assert cache.get_seq_length() == 37 + 39 and cache.memory_report()["tokens"] == 76
+
+
+def test_compiled_full_budget_equals_dense(setup):
+    cfg, fc, dense, ids, mask = setup
+    cache = FlexiCache(HeadProfile.random(cfg, 0.5, seed=2), page_size=4, token_budget=128, rerank_interval=3,
+                       max_cache_len=37 + 30)
+    out = run(fc, ids, mask, cache, 30, compiled=True)
+    want = dense.generate(ids, attention_mask=mask, past_key_values=DynamicCache(), max_new_tokens=30,
+                          min_new_tokens=30, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, want)
+
+
+def test_follow_up_turn_after_compiled_steps(setup):
+    """A prompt chunk after captured steps: the host first learns how far they went, then runs it eagerly."""
+    cfg, fc, _, ids, mask = setup
+    prof = HeadProfile.from_unstable(cfg, [(1, 0)])
+    outs = []
+    for compiled in (False, True):
+        cache = FlexiCache(prof, page_size=4, token_budget=16, rerank_interval=4, max_cache_len=160)
+        first = run(fc, ids, mask, cache, 20, compiled)
+        turn = torch.cat([first, torch.randint(2, 90, (2, 11), generator=torch.Generator().manual_seed(1))], 1)
+        mask2 = torch.cat([mask, torch.ones((2, turn.shape[1] - mask.shape[1]), dtype=mask.dtype)], 1)
+        outs.append(run(fc, turn, mask2, cache, 15, compiled))
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_compiled_steps_past_max_cache_len_are_refused_on_next_use(setup):
+    """generate cannot tell the cache how many tokens it will make: a captured step that goes past
+    max_cache_len writes nowhere new, flags it on the device, and the next use of the cache raises."""
+    cfg, fc, _, ids, mask = setup
+    cache = FlexiCache(HeadProfile.all_stable(cfg), page_size=4, token_budget=12, max_cache_len=37 + 5)
+    run(fc, ids, mask, cache, 12, compiled=True)
+    with pytest.raises(OverflowError, match="max_cache_len=42"):
+        cache.memory_report()
+    with pytest.raises(OverflowError):
+        run(fc, ids, mask, cache, 3, compiled=True)
+    cache.reset()
+    run(fc, ids, mask, cache, 5, compiled=True)  # reset: usable again
+    assert cache.get_seq_length() == 41
+
+
+def test_not_compileable_without_max_cache_len_or_with_observer(setup):
+    cfg = setup[0]
+    prof = HeadProfile.all_stable(cfg)
+    assert not FlexiCache(prof).is_compileable  # its buffers grow: no fixed addresses
+    assert not FlexiCache(prof, max_cache_len=64, kernels="reference").is_compileable
+
+    class Seen:
+        def on_rerank(self, event):
+            pass
+
+    assert not FlexiCache(prof, max_cache_len=64, observer=Seen()).is_compileable
