@@ -1,0 +1,247 @@
+"""bench.generate's pure parts (CPU only, no model): step statistics, the largest-batch search, the GPU busy
+fraction of a profile, the ratio table."""
+
+import types
+
+import pytest
+import torch
+
+from flexicache_hf.bench import generate as g
+
+
+def clock_with(stamps, t0=0.0):
+    c = g.StepClock()
+    c.t0, c.stamps = t0, list(stamps)
+    return c
+
+
+# ---- summarise / percentiles --------------------------------------------------------------------------------
+def test_pct_nearest_rank():
+    xs = list(range(1, 101))  # 1..100
+    assert g._pct(xs, 0.0) == 1 and g._pct(xs, 1.0) == 100
+    assert g._pct(xs, 0.5) in (50, 51) and g._pct(xs, 0.99) == 99
+    assert g._pct([7.0], 0.99) == 7.0
+    assert g._pct([3, 1, 2], 0.5) == 2  # sorts first
+
+
+def test_summarise_ttft_and_steps():
+    # prefill 0.5 s, then steps of 10 ms, two of 50 ms
+    stamps = [0.5]
+    for ms in [10] * 97 + [50] * 2:
+        stamps.append(stamps[-1] + ms / 1e3)
+    r = g.summarise(clock_with(stamps))
+    assert r["ttft_s"] == pytest.approx(0.5) and r["tokens"] == 100
+    assert r["first_step_ms"] == pytest.approx(10) and r["median_step_ms"] == pytest.approx(10)
+    assert r["max_step_ms"] == pytest.approx(50) and r["p99_step_ms"] == pytest.approx(50)
+    assert r["decode_tokens_per_s"] == pytest.approx(99 / (stamps[-1] - stamps[0]))
+    assert r["tokens_per_s"] == pytest.approx(100 / stamps[-1])
+
+
+def test_summarise_one_token_has_no_steps():
+    r = g.summarise(clock_with([0.25]))
+    assert r["ttft_s"] == pytest.approx(0.25) and "median_step_ms" not in r
+
+
+def test_step_clock_stops_after():
+    c = g.StepClock(stop_after=2)
+    ids = torch.zeros(3, 4, dtype=torch.long)
+    c.stamps = [1.0]
+    assert not c.stop(ids, None).any()
+    c.stamps.append(2.0)
+    assert c.stop(ids, None).all() and c.stop(ids, None).shape == (3,)
+    assert not g.StepClock().stop(ids, None).any()  # measured calls never stop early
+
+
+# ---- rows ---------------------------------------------------------------------------------------------------
+def test_rows_expand_and_classify():
+    rows = g.expand_rows(["dynamic", "static", "flexicache", "flexicache-graph"], ["sdpa", "eager", "flex_attention"])
+    assert rows == ["dynamic", "static", "static-eager", "static-flex_attention", "flexicache", "flexicache-graph"]
+    assert g.expand_rows(["static", "static-eager"], ["eager"]) == ["static-eager"]  # no duplicates
+    assert g.check_rows(rows) == [] and g.check_rows(["nope", "static-", "dynamic"]) == ["nope", "static-"]
+    assert [g.attn_impl(r) for r in rows] == ["sdpa", "sdpa", "eager", "flex_attention", "flexicache", "flexicache"]
+    assert [g.is_compiled(r) for r in rows] == [False, True, True, True, False, True]
+    assert not g.is_compiled("offloaded") and not g.is_compiled("flexicache-again")
+    assert g.probe_key("flexicache-graph", False) == "flexicache"
+    assert g.probe_key("flexicache-graph", True) == "flexicache-graph" and g.probe_key("static", False) == "static"
+
+
+def test_fit_prompt_and_kv_bytes():
+    assert g.fit_prompt(8192, 256, 8192) == 7936  # SmolLM2's 8192 positions
+    assert g.fit_prompt(16384, 256, 131072) == 16384 and g.fit_prompt(100, 10, None) == 100
+    cfg = types.SimpleNamespace(num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, hidden_size=4096)
+    assert g.kv_bytes(cfg, 1, 1) == 2 * 32 * 8 * 128 * 2  # 128 KiB per token for Llama-3.1-8B
+    assert g.kv_bytes(cfg, 16, 30720) == pytest.approx(64.4e9, rel=0.01)
+
+
+def test_error_record():
+    assert g.error_record(torch.OutOfMemoryError("CUDA out of memory. Tried 13 GiB"))["error"] == "out of memory"
+    r = g.error_record(ValueError("flex_attention is not supported\nmore"))
+    assert r["error"] == "ValueError: flex_attention is not supported" and "\n" not in r["detail"]
+
+
+# ---- largest-batch search -------------------------------------------------------------------------------------
+def capacity(cap, log=None):
+    def try_batch(b):
+        if log is not None:
+            log.append(b)
+        return b <= cap
+    return try_batch
+
+
+def test_search_doubles_then_bisects_to_step():
+    log = []
+    best, tried = g.search_largest(capacity(44, log))
+    assert best == 40 and log == [16, 32, 64, 48, 40]
+    assert tried == {16: True, 32: True, 64: False, 48: False, 40: True}
+
+
+@pytest.mark.parametrize("cap", range(0, 128))
+def test_search_exact_below_128_within_budget(cap):
+    best, tried = g.search_largest(capacity(cap))
+    assert len(tried) <= 8
+    assert best == (cap // 8 * 8 if cap >= 8 else (1 if cap >= 1 else 0))
+
+
+@pytest.mark.parametrize("cap", [128, 200, 255, 300, 1000, 5000, 10 ** 6])
+def test_search_bounded_and_sound(cap):
+    best, tried = g.search_largest(capacity(cap))
+    assert len(tried) <= 8 and best <= cap and tried.get(best, True)
+    assert best >= min(cap, 1024) // 2  # within the last doubling at worst
+
+
+def test_search_first_failure_and_budget():
+    best, tried = g.search_largest(capacity(12))  # 16 fails: bisect from 0 -> 8
+    assert best == 8 and list(tried) == [16, 8]
+    best, tried = g.search_largest(capacity(3))
+    assert best == 1 and list(tried) == [16, 8, 1]
+    best, tried = g.search_largest(capacity(0))
+    assert best == 0 and list(tried) == [16, 8, 1]
+    best, tried = g.search_largest(capacity(10 ** 9), max_probes=3)
+    assert best == 64 and list(tried) == [16, 32, 64]
+    with pytest.raises(ValueError):
+        g.search_largest(capacity(10), max_probes=0)
+
+
+def test_search_non_monotone_does_not_loop():
+    calls = []
+    best, tried = g.search_largest(lambda b: calls.append(b) or b in (16, 48), max_probes=8)
+    assert len(calls) == len(set(calls)) <= 8 and tried[best] is True
+
+
+# ---- profile: GPU busy fraction -------------------------------------------------------------------------------
+def test_union_length():
+    assert g.union_length([]) == 0
+    assert g.union_length([(0, 10), (5, 15), (20, 30), (30, 31), (40, 40)]) == 26
+    assert g.union_length([(20, 30), (0, 100)]) == 100
+
+
+def test_gpu_busy_window_and_counts():
+    ms = 1e6  # ns
+    marks = [i * 10 * ms for i in range(11)]  # 11 tokens, window marks[3]..marks[10] = 7 steps of 10 ms
+    dev = []
+    for i in range(10):  # per step: two kernels of 3 ms on two streams overlapping by 1 ms, one memcpy
+        t = i * 10 * ms
+        dev += [(t, t + 3 * ms, "kernel"), (t + 2 * ms, t + 5 * ms, "kernel"), (t + 6 * ms, t + 7 * ms, "memcpy")]
+    dev.append((-5 * ms, 31 * ms, "kernel"))  # the prefill: clipped to 30..31 ms, inside step 3's first kernel
+    r = g.gpu_busy(dev, marks, graph_launches=[35 * ms, 45 * ms, 200 * ms])
+    assert r["profile_window_steps"] == 7
+    assert r["gpu_busy_fraction"] == pytest.approx(7 * 6 / 70)  # per step: kernels 0..5 ms (union), memcpy 1 ms
+    assert r["kernels_per_step"] == pytest.approx(14 / 7) and r["memcpy_per_step"] == pytest.approx(1)
+    assert r["gpu_busy_ms_per_step"] == pytest.approx(6) and r["window_ms_per_step"] == pytest.approx(10)
+    assert r["graph_launches_per_step"] == pytest.approx(2 / 7)
+
+
+def test_gpu_busy_errors():
+    with pytest.raises(ValueError, match="step markers"):
+        g.gpu_busy([(0, 1, "kernel")], [0, 1, 2])
+    with pytest.raises(ValueError, match="no CUDA"):
+        g.gpu_busy([(0, 1, "kernel")], [10, 20, 30, 40, 50])
+
+
+class FakeKineto:
+    def __init__(self, name, device, start, end, activity=None, annotation=False):
+        self._v = name, device, start, end, activity, annotation
+
+    def name(self): return self._v[0]
+    def device_type(self): return f"DeviceType.{self._v[1]}"
+    def start_ns(self): return self._v[2]
+    def end_ns(self): return self._v[3]
+    def activity_type(self): return self._v[4]
+    def is_user_annotation(self): return self._v[5]
+
+
+def test_split_events_kineto_and_function_events():
+    ev = [FakeKineto(g.MARK, "CPU", 10, 10, "user_annotation", True),
+          FakeKineto("gemm", "CUDA", 11, 15, "kernel"),
+          FakeKineto("Memcpy HtoD (Pinned -> Device)", "CUDA", 15, 16, "gpu_memcpy"),
+          FakeKineto("Memset (Device)", "CUDA", 16, 17, "gpu_memset"),
+          FakeKineto("## Call CompiledFxGraph ##", "CUDA", 0, 100, "gpu_user_annotation", True),
+          FakeKineto("cudaGraphLaunch", "CPU", 12, 13, "cuda_runtime"),
+          FakeKineto("aten::mm", "CPU", 11, 12, "cpu_op")]
+    dev, marks, launches = g.split_events(ev)
+    assert dev == [(11, 15, "kernel"), (15, 16, "memcpy"), (16, 17, "memset")]
+    assert marks == [10] and launches == [12]
+    # an older torch: no activity_type, kinds from the names; FunctionEvents with times in us
+    fe = [types.SimpleNamespace(name="Memcpy DtoD", device_type="DeviceType.CUDA",
+                                time_range=types.SimpleNamespace(start=1.0, end=2.0)),
+          types.SimpleNamespace(name="triton_poi_fused", device_type="DeviceType.CUDA",
+                                time_range=types.SimpleNamespace(start=2.0, end=4.0)),
+          types.SimpleNamespace(name=g.MARK, device_type="DeviceType.CPU",
+                                time_range=types.SimpleNamespace(start=0.5, end=0.5))]
+    dev, marks, _ = g.split_events(fe)
+    assert dev == [(1e3, 2e3, "memcpy"), (2e3, 4e3, "kernel")] and marks == [500.0]
+
+
+# ---- ratios and the table ----------------------------------------------------------------------------------
+def results():
+    common = dict(ttft_s=1.0, p99_step_ms=1.0, decode_tokens_per_s=10.0, peak_gpu_bytes=20e9, pinned_bytes=2e9,
+                  dynamo_graphs_added=0)
+    return [
+        {"case": "1x16384", "row": "dynamic", **common, "median_step_ms": 60.0},
+        {"case": "1x16384", "row": "static", **common, "median_step_ms": 13.0},
+        {"case": "1x16384", "row": "static-eager", **common, "median_step_ms": 12.0},
+        {"case": "1x16384", "row": "flexicache-graph", **common, "median_step_ms": 6.0, "gpu_busy_fraction": 0.8},
+        {"case": "16x30720", "row": "dynamic", "error": "out of memory", "detail": "x"},
+        {"case": "16x30720", "row": "flexicache", **common, "median_step_ms": 40.0},
+        {"case": "largest@30720", "row": "static", "largest_batch": 8, "tried": {"16": "out of memory", "8": "ok"}},
+    ]
+
+
+def test_add_ratios():
+    rs = results()
+    g.add_ratios(rs)
+    by = {(r["case"], r["row"]): r for r in rs}
+    fg = by["1x16384", "flexicache-graph"]
+    assert fg["median_vs_dynamic"] == pytest.approx(0.1) and fg["median_vs_best_static"] == pytest.approx(0.5)
+    assert fg["best_static_row"] == "static-eager"
+    assert by["1x16384", "static"]["median_vs_best_static"] == pytest.approx(13 / 12)
+    fc = by["16x30720", "flexicache"]  # no dense row ran: no ratios
+    assert fc["median_vs_dynamic"] is None and fc["median_vs_best_static"] is None
+    assert "median_vs_dynamic" not in by["16x30720", "dynamic"]
+
+
+def test_format_table():
+    rs = results()
+    g.add_ratios(rs)
+    text = g.format_table(rs)
+    head, *lines = text.splitlines()
+    for col in ("TTFT s", "med ms", "p99 ms", "dec tok/s", "peak GB", "pin GB", "med/dyn", "med/static"):
+        assert col in head
+    fg = next(l for l in lines if "flexicache-graph" in l).split()
+    assert fg[:4] == ["1x16384", "flexicache-graph", "1.00", "6.00"]
+    assert "0.10" in fg and "0.50" in fg and "80%" in fg and "20.0" in fg and "2.0" in fg
+    assert any("16x30720" in l and "error: out of memory" in l for l in lines)
+    assert any("1x16384: static-eager" in l for l in lines)  # which static row the ratio is against
+    assert any("largest batch 8" in l and "8: ok" in l and "16: fail" in l for l in lines)
+    fc = next(l for l in lines if l.startswith("16x30720") and "flexicache" in l).split()
+    assert fc[8:10] == ["-", "-"]  # no ratio without a dense row
+
+
+def test_format_table_columns_line_up():
+    rs = results()
+    g.add_ratios(rs)
+    head, *lines = g.format_table(rs).splitlines()
+    rows = [l for l in lines if l.startswith(("1x16384", "16x30720")) and "error" not in l]
+    assert len({len(l) for l in rows} | {len(head)}) == 1  # "-" cells padded like numbers
+    long = [{"case": "1x1", "row": "static-x", "error": "ValueError: " + "y" * 500}]
+    assert len(g.format_table(long).splitlines()[1]) < 160
