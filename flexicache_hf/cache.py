@@ -26,7 +26,7 @@ from .kernels import MAX_SELECT_PAGES, KernelOps, ops_for
 from .pages import PagePool, PoolLayout, grown_capacity, num_pages
 from .head_profile import HeadProfile, ProfileError, resolve_profile
 from .rerank import RerankEvent, Reranker, SelectionObserver
-from .state import GRAPH_PLAN, DecodeState, StepPlan
+from .state import GRAPH_PLAN, DecodeState, DeviceCounters, StepPlan
 from .tiers import CopyStream, HostTier, SlotTable, copy_context, load_promoted, offload_page
 
 
@@ -206,7 +206,8 @@ class FlexiCacheLayer(CacheLayerMixin):
         self.slots = SlotTable(self.pool, self.device)
         self.reranker = Reranker(B, H, self.unstable, cfg.budget_pages, cfg.max_recent_pages, self.device,
                                  cfg.sink_pages, cfg.recent_pages)
-        self.state = self.owner.decode_state(self.device)  # shared by every layer (the step schedule)
+        self.state = self.owner.decode_state(self.device)  # shared by every layer on this device (the schedule)
+        self.states = self.owner.states  # every device's (layer 0 advances them all; a dict: no reference cycle)
         self.count_pages = self.owner.count_pages
         self.kmin = torch.empty((B, H, 0, D), dtype=self.dtype, device=self.device)
         self.kmax = torch.empty_like(self.kmin)
@@ -286,11 +287,15 @@ class FlexiCacheLayer(CacheLayerMixin):
         self._join_copies()  # before growth re-lays the pool, and before a decode token enters a slot
         self._ensure_capacity(end)
         if T == 1 and start > 0:
-            plan = self.state.begin_eager_step() if self.layer_idx == 0 else self.state.plan
+            if self.layer_idx == 0:
+                for state in self.states.values():
+                    state.begin_eager_step()
+            plan = self.state.plan
             self.append_token(key_states, value_states, plan)
         else:
             if self.layer_idx == 0:
-                self.state.add_chunk(T)
+                for state in self.states.values():
+                    state.add_chunk(T)
             if self.full_heads.numel():
                 self.pool.full_tokens("k")[:, :, start:end] = key_states[:, self.full_heads]
                 self.pool.full_tokens("v")[:, :, start:end] = value_states[:, self.full_heads]
@@ -320,8 +325,9 @@ class FlexiCacheLayer(CacheLayerMixin):
                 "forward (generate does exactly this); run prompts eagerly"
             )
         if self.layer_idx == 0:
-            self.state.advance()
-            self.state.stale = True  # the host mirror is behind from here on (applied after each compiled call)
+            for state in self.states.values():
+                state.advance()
+                state.stale = True  # the host mirror is behind from here on (applied after each compiled call)
         self.append_token(key_states, value_states, GRAPH_PLAN)
         return self, self  # the attention function recognises the layer itself (see flexicache_attention)
 
@@ -654,7 +660,9 @@ class FlexiCache(Cache):
             raise ValueError(f"max_cache_len must be None or a positive number of tokens, got {max_cache_len!r}")
         self.max_tokens = max_cache_len  # not `max_cache_len`: transformers 5.17 has a property of that name
         self.prompt_tokens = 0
-        self._state = None  # the DecodeState every layer shares, made with the first layer
+        # The step schedule, one DecodeState per device a layer lives on (a model split by device_map has several;
+        # they hold the same values), made by the first layer on each device.
+        self.states: dict[str, DecodeState] = {}
         self.max_positions = None
         self._checked_config = None
         layers = [
@@ -707,17 +715,30 @@ class FlexiCache(Cache):
 
     def decode_state(self, device: torch.device) -> DecodeState:
         """The step schedule all layers share (made by the first layer to initialise)."""
-        if self._state is None:
-            self._state = DecodeState(device, self.config.page_size, self.config.rerank_interval, self.max_tokens)
-        return self._state
+        key = str(device)
+        if key not in self.states:
+            first = not self.states
+            state = DecodeState(device, self.config.page_size, self.config.rerank_interval, self.max_tokens,
+                                counts_steps=first)
+            if not first:  # a later device's first layer (the first prompt forward): catch up with layer 0's
+                state.follow(self._state)
+            self.states[key] = state
+        return self.states[key]
+
+    @property
+    def _state(self) -> DecodeState | None:
+        """The first device's schedule (the one that counts decode steps)."""
+        return next(iter(self.states.values()), None)
 
     @property
     def stats(self) -> CacheStats:
         self.sync()
-        st = self._state
-        if st is None:
+        if not self.states:
             return CacheStats(prompt_tokens=self.prompt_tokens)
-        c = st.counters.read()
+        c = {name: 0 for name in DeviceCounters.NAMES}
+        for state in self.states.values():  # decode steps are counted by the first device's only
+            for name, value in state.counters.read().items():
+                c[name] += value
         live = [layer for layer in self.layers if layer.is_initialized]
         return CacheStats(
             decode_steps=c["decode_steps"], prompt_tokens=self.prompt_tokens, pages_attended=c["pages_attended"],
@@ -788,7 +809,7 @@ class FlexiCache(Cache):
         super().reset()
         self.guard.clear()
         self.prompt_tokens = 0
-        self._state = None
+        self.states.clear()
 
     def check_model(self, model_config) -> None:
         """Refuse a model this cache cannot serve: another shape than the profile's, or non-full attention."""
@@ -824,8 +845,8 @@ class FlexiCache(Cache):
     def sync(self) -> None:
         """Bring every layer's host-side length up to date after captured decode steps (one synchronisation;
         raises if a captured step went past ``max_cache_len``)."""
-        if self._state is not None:
-            self._state.sync()
+        for state in self.states.values():
+            state.sync()
             for layer in self.layers:
                 if layer.is_initialized:
                     layer.catch_up()

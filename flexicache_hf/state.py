@@ -49,8 +49,10 @@ class DecodeState:
     ``page_full``, ``due``.  Every tensor has shape ``[1]`` and a fixed address for the cache's life.
     """
 
-    def __init__(self, device: torch.device, page_size: int, rerank_interval: int, capacity: int | None):
+    def __init__(self, device: torch.device, page_size: int, rerank_interval: int, capacity: int | None,
+                 counts_steps: bool = True):
         self.device, self.page_size, self.interval = torch.device(device), page_size, rerank_interval
+        self.counts_steps = counts_steps  # of a cache's per-device schedules, one counts its decode steps
         self.capacity = capacity  # tokens the buffers hold (None: they grow, so no graph is captured)
         long = lambda: torch.zeros(1, dtype=torch.long, device=self.device)  # noqa: E731
         flag = lambda: torch.zeros(1, dtype=torch.bool, device=self.device)  # noqa: E731
@@ -85,7 +87,8 @@ class DecodeState:
         self.anchor.copy_(torch.where(self.due, self.page, self.anchor))
         self.length.copy_(pos + 1)
         self.step.add_(1)
-        self.counters.add("decode_steps", 1)
+        if self.counts_steps:
+            self.counters.add("decode_steps", 1)
 
     def begin_eager_step(self) -> StepPlan:
         """:meth:`advance`, plus the host's exact plan of the same step."""
@@ -106,6 +109,14 @@ class DecodeState:
         self.length.fill_(self.host_length)
         self.step.zero_()
         self.plan = None
+
+    def follow(self, other: "DecodeState") -> None:
+        """Take ``other``'s schedule (a state made part-way through the first prompt forward, for a later device
+        of a model split across devices: layer 0 already counted the chunk in ``other``)."""
+        other.sync()
+        self.host_length, self.host_step = other.host_length, other.host_step
+        self.length.fill_(self.host_length)
+        self.step.fill_(self.host_step)
 
     def sync(self) -> None:
         """Bring the host mirror up to date after graph replays (one device synchronisation)."""

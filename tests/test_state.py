@@ -1,0 +1,58 @@
+"""DecodeState: the step schedule planned once per step (host plan and device scalars agree), and one
+schedule per device for a model split across devices."""
+
+import torch
+
+from conftest import tiny_config
+from flexicache_hf import FlexiCache
+from flexicache_hf.head_profile import HeadProfile
+from flexicache_hf.state import DecodeState
+
+
+def test_eager_plan_and_device_state_agree_over_pages_and_reranks():
+    st = DecodeState("cpu", page_size=4, rerank_interval=3, capacity=None)
+    st.add_chunk(6)  # positions 0..5 hold the prompt
+    anchor = None
+    for pos in range(6, 30):
+        plan = st.begin_eager_step()
+        step = pos - 6
+        assert int(st.pos) == pos and int(st.length) == pos + 1 and int(st.num_pages) == pos // 4 + 1
+        assert plan.new_page == bool(st.new_page) == (pos % 4 == 0)
+        assert plan.page_full == bool(st.page_full) == (pos % 4 == 3)
+        assert plan.stable_due == bool(st.due) == (step % 3 == 0)
+        anchor = pos // 4 if step % 3 == 0 else anchor
+        assert int(st.anchor) == anchor
+    assert st.counters.read()["decode_steps"] == 24
+
+
+def test_capacity_clamps_and_flags_a_captured_overflow():
+    st = DecodeState("cpu", page_size=4, rerank_interval=3, capacity=8)
+    st.add_chunk(7)
+    st.advance()  # position 7: the last one
+    st.advance()  # position 8 does not exist: clamped, flagged
+    assert int(st.pos) == 7 and bool(st.overflow)
+    st.stale = True
+    try:
+        st.sync()
+    except OverflowError as e:
+        assert "max_cache_len=8" in str(e)
+    else:
+        raise AssertionError("no OverflowError")
+
+
+def test_one_schedule_per_device_follows_the_first_and_counts_steps_once():
+    """device_map splits: a later device's first layer makes its own schedule part-way through the prompt."""
+    cfg = tiny_config("llama", heads=2, kv_heads=2, layers=2, head_dim=8)
+    cache = FlexiCache(HeadProfile.all_stable(cfg), page_size=4, token_budget=8)
+    first = cache.decode_state(torch.device("cpu"))
+    first.add_chunk(10)  # layer 0 took the prompt before the second device's layer existed
+    second = cache.decode_state(torch.device("cpu:0"))  # another device key (a second GPU in practice)
+    assert second is not first and cache.decode_state(torch.device("cpu:0")) is second
+    assert int(second.length) == 10 and second.host_length == 10
+    for state in cache.states.values():
+        state.begin_eager_step()
+    assert int(first.length) == int(second.length) == 11
+    assert bool(second.due) and int(second.anchor) == 2
+    assert cache.stats.decode_steps == 1  # counted by the first device's schedule only
+    cache.reset()
+    assert not cache.states
