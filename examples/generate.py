@@ -2,6 +2,10 @@
 
     python examples/generate.py                      # the embedded SmolLM2 (CPU is fine)
     python examples/generate.py --model PATH --profile Llama-3.1-8B-Instruct --device cuda --dtype bfloat16
+
+The cache is sized for the prompt + the new tokens (``max_cache_len``, as for StaticCache), so on CUDA
+``generate`` compiles and CUDA-graphs its decode step (the first call of a process spends a while compiling);
+``--eager`` keeps every step eager.
 """
 
 import argparse
@@ -20,6 +24,8 @@ ap.add_argument("--profile", default="SmolLM2-135M-Instruct", help="profile name
 ap.add_argument("--device", default="cpu")
 ap.add_argument("--dtype", default="float32")
 ap.add_argument("--budget", type=int, default=1024)
+ap.add_argument("--new-tokens", type=int, default=96)
+ap.add_argument("--eager", action="store_true", help="do not let generate compile the decode step")
 args = ap.parse_args()
 
 dtype = getattr(torch, args.dtype)
@@ -33,7 +39,9 @@ else:
 # The built-in corpus (assembled from this installation on first use); load_documents(path) reads your own.
 doc = max(load_documents(), key=lambda d: (len(d.text), d.id))  # long enough for the 2500-token prompt
 ids = build_prompt(tok, doc, "What are the key points of this document?", 2500).to(args.device)
-cache = FlexiCache(args.profile, FlexiCacheConfig(token_budget=args.budget), model_config=model.config)
-out = model.generate(ids, max_new_tokens=96, do_sample=False, past_key_values=cache)
+cache = FlexiCache(args.profile, FlexiCacheConfig(token_budget=args.budget), model_config=model.config,
+                   max_cache_len=ids.shape[1] + args.new_tokens)
+out = model.generate(ids, max_new_tokens=args.new_tokens, do_sample=False, past_key_values=cache,
+                     disable_compile=args.eager)
 print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
 print(cache.memory_report())
