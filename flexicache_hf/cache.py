@@ -763,14 +763,17 @@ class FlexiCache(Cache):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.ensure_usable()
+        self.sync()  # the rows' newest pages are found from the host's length
         super().reorder_cache(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self.ensure_usable()
+        self.sync()  # the rows' newest pages are found from the host's length
         super().batch_repeat_interleave(repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self.ensure_usable()
+        self.sync()  # the rows' newest pages are found from the host's length
         super().batch_select_indices(indices)
 
     # ---- copies and pickles -----------------------------------------------------------------------------

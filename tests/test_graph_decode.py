@@ -121,3 +121,22 @@ def test_not_compileable_without_max_cache_len_or_with_observer(setup):
             pass
 
     assert not FlexiCache(prof, max_cache_len=64, observer=Seen()).is_compileable
+
+
+def test_row_selection_after_compiled_steps(setup):
+    """batch_select_indices after captured steps (e.g. dropping finished rows): the host first learns how far
+    the steps went (each row's newest page is found from the length), then the follow-up turn is exact."""
+    cfg, fc, _, ids, mask = setup
+    prof = HeadProfile.from_unstable(cfg, [(0, 0), (1, 1)])
+    outs, stored = [], []
+    for compiled in (False, True):
+        cache = FlexiCache(prof, page_size=4, token_budget=12, rerank_interval=3, max_cache_len=37 + 18 + 7 + 8)
+        first = run(fc, ids, mask, cache, 18, compiled)
+        cache.batch_select_indices(torch.tensor([1]))
+        turn = torch.cat([first[1:], torch.randint(2, 90, (1, 7), generator=torch.Generator().manual_seed(2))], 1)
+        mask2 = torch.cat([mask[1:], torch.ones((1, turn.shape[1] - mask.shape[1]), dtype=mask.dtype)], 1)
+        outs.append(run(fc, turn, mask2, cache, 8, compiled))
+        cache.sync()
+        stored.append([torch.cat(layer.gather_tokens(layer.seq_len)) for layer in cache.layers])
+    assert torch.equal(outs[0], outs[1])
+    assert all(torch.equal(a, b) for a, b in zip(*stored))  # every stored token, host and device tiers
