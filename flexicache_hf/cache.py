@@ -8,6 +8,10 @@ the registered ``"flexicache"`` attention function (:mod:`flexicache_hf.attentio
 selection + sparse paged decode for single-token steps).  The handle is the only channel between the
 two: no globals, no thread-locals, no patched model code, so any number of caches and models can be alive
 in any number of threads.
+
+A decode step's schedule is planned once, by layer 0, in the cache's :class:`~flexicache_hf.state.DecodeState`
+(device scalars), and every layer runs the same body against it (``append_token`` / ``attend_token``), eagerly
+or inside the CUDA graph ``torch.compile`` captures (``graph_update`` / ``graph_attend``).
 """
 
 from __future__ import annotations
@@ -639,10 +643,12 @@ class FlexiCache(Cache):
             of at the first forward.
         observer: a :class:`SelectionObserver` told of every re-rank (the stability profiler uses it).
         kernels: ``"reference"`` forces the PyTorch reference kernels on any device.
-        count_pages: count attended pages per step in ``stats`` (one host sync per layer and step).
+        count_pages: count attended pages per step in ``stats`` (a device counter: two small kernels per layer and step).
         max_cache_len: the most tokens this cache will hold (prompt + ``max_new_tokens``, as for
             ``StaticCache``).  Device pools, MinMax cache, tables and the pinned host tier are then allocated
             once, at the first forward, and a longer sequence is refused; without it they grow with headroom.
+            With it, on CUDA, the cache is compileable: ``generate`` compiles and CUDA-graphs the decode step
+            as it does for StaticCache (``disable_compile=True`` keeps it eager).
     """
 
     def __init__(self, profile: HeadProfile | str | os.PathLike, config: FlexiCacheConfig | None = None, *,
