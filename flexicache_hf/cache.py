@@ -244,8 +244,7 @@ class FlexiCacheLayer(CacheLayerMixin):
         slots = min(self.config.resident_slots, cap) if self.slot_heads.numel() else 0
         self.pool.grow(cap, slots)
         self.slots.relayout(self.pool)
-        if self.seq_len and self.slot_heads.numel():
-            self.tail_phys.copy_(self.slots.phys_of((self.seq_len - 1) // self.config.page_size))
+        self._find_tail()
         B, H, old, D = self.kmin.shape
         pad = (B, H, cap - old, D)
         self.kmin = torch.cat([self.kmin, self.kmin.new_full(pad, float("inf"))], dim=2)
@@ -364,8 +363,8 @@ class FlexiCacheLayer(CacheLayerMixin):
             with copy_context(self.copies):
                 offload_page(self.ops, self.pool, self.host, st.page, self.tail_phys,
                              None if plan.page_full else st.page_full)
-            st.counters.add("offloaded", self.batch * self.slot_heads.numel() if plan.page_full
-                            else st.page_full * (self.batch * self.slot_heads.numel()))
+            pages = self.batch * self.slot_heads.numel()
+            st.counters.add("offloaded", pages if plan.page_full else st.page_full * pages)
 
     def _append_chunk(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         """A prompt chunk of the offloaded heads goes whole to the host; the device keeps the newest page.
@@ -609,6 +608,10 @@ class FlexiCacheLayer(CacheLayerMixin):
         self.kmin, self.kmax, self.valid_lo = self.kmin[index], self.kmax[index], self.valid_lo[index]
         self.reranker.select_rows(index)
         self.tail_phys = torch.zeros((B, self.slot_heads.numel()), dtype=torch.long, device=self.device)
+        self._find_tail()
+
+    def _find_tail(self) -> None:
+        """Point ``tail_phys`` at the slots holding the newest page again (after the slots were re-laid)."""
         if self.seq_len and self.slot_heads.numel():
             self.tail_phys.copy_(self.slots.phys_of((self.seq_len - 1) // self.config.page_size))
 
@@ -856,9 +859,9 @@ class FlexiCache(Cache):
         raises if a captured step went past ``max_cache_len``)."""
         for state in self.states.values():
             state.sync()
-            for layer in self.layers:
-                if layer.is_initialized:
-                    layer.catch_up()
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.catch_up()
 
     def memory_report(self) -> dict:
         """Device / host bytes held now, against what ``DynamicCache`` would hold for the same tokens."""

@@ -74,8 +74,9 @@ class Reranker:
         scores = ops.page_scores(query, kmin, kmax, self.all_heads, num_pages, active)
         if self.sink_pages or self.recent_pages:  # forced pages outrank every bound (empty pages stay -inf)
             p = torch.arange(scores.shape[-1], device=scores.device)
-            forced = (p < self.sink_pages) | ((p >= num_pages - 1 - self.recent_pages) & (p < num_pages)
-                                              if self.recent_pages else torch.zeros_like(p, dtype=torch.bool))
+            forced = p < self.sink_pages
+            if self.recent_pages:
+                forced = forced | ((p >= num_pages - 1 - self.recent_pages) & (p < num_pages))
             scores = torch.where(forced & (scores > float("-inf")), float("inf"), scores)
         ops.select_pages(scores, self.budget_pages, num_pages=num_pages, active=active, out=self.selected)
         self.reranks.add_(active)

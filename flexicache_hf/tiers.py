@@ -37,9 +37,9 @@ def cuda_alias(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     Built through ``__cuda_array_interface__``, which carries no bfloat16 type code: the bytes are viewed as a
     same-width integer type and re-typed after.  The alias does not own the memory: keep ``t`` alive.
     """
-    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    width, typestr = {1: (torch.uint8, "|u1"), 2: (torch.int16, "<i2"), 4: (torch.int32, "<i4"),
+                      8: (torch.int64, "<i8")}[t.element_size()]
     raw = t.view(width)
-    typestr = {torch.uint8: "|u1", torch.int16: "<i2", torch.int32: "<i4", torch.int64: "<i8"}[width]
 
     class _Interface:
         __cuda_array_interface__ = {"shape": tuple(raw.shape), "typestr": typestr, "data": (raw.data_ptr(), False),
@@ -302,14 +302,14 @@ class SlotTable:
         first = free.int().argmax(-1, keepdim=True)  # [B, heads, 1]
         phys = self.slot_phys.gather(-1, first)
         pages = torch.zeros_like(first) + page  # [B, heads, 1]
-        if when is None:
-            self.slot_page.scatter_(-1, first, pages)
-            self._set_table(pages, phys)
-            tail.copy_(phys[..., 0])
-            return
-        self.slot_page.scatter_(-1, first, torch.where(when, pages, self.slot_page.gather(-1, first)))
-        self._set_table(torch.where(when, pages, -1), phys)  # -1: the table's spare entry
-        tail.copy_(torch.where(when, phys[..., 0], tail))
+        slot_value, table_pages, new_tail = pages, pages, phys[..., 0]
+        if when is not None:  # elsewhere the slot keeps its page, the table entry goes to its spare, the tail stays
+            slot_value = torch.where(when, pages, self.slot_page.gather(-1, first))
+            table_pages = torch.where(when, pages, -1)
+            new_tail = torch.where(when, new_tail, tail)
+        self.slot_page.scatter_(-1, first, slot_value)
+        self._set_table(table_pages, phys)
+        tail.copy_(new_tail)
 
     def phys_of(self, page: int) -> torch.Tensor:
         """Physical pages ``[B, heads]`` holding logical ``page`` (which must be resident)."""
