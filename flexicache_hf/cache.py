@@ -337,34 +337,27 @@ class FlexiCacheLayer(CacheLayerMixin):
     # ---- the decode step's body (eager and captured alike) --------------------------------------------------
     def append_token(self, key_states: torch.Tensor, value_states: torch.Tensor, plan: StepPlan) -> None:
         """Store one token ``[B, H, 1, D]`` at the shared state's position and fold its keys into the MinMax
-        cache.  Device scalars only; ``plan`` merely lets an eager step skip predicated-away launches."""
-        st = self.state
-        if self.full_heads.numel():
-            self.pool.full_tokens("k").index_copy_(2, st.pos, key_states[:, self.full_heads])
-            self.pool.full_tokens("v").index_copy_(2, st.pos, value_states[:, self.full_heads])
-        if self.slot_heads.numel():
-            self._append_slot_token(key_states[:, self.slot_heads], value_states[:, self.slot_heads], plan)
-        B, H, _, D = key_states.shape
-        page = st.page.view(1, 1, 1, 1).expand(B, H, 1, D)
-        keys = key_states.to(self.kmin.dtype)
-        self.kmin.scatter_(2, page, torch.minimum(self.kmin.gather(2, page), keys))
-        self.kmax.scatter_(2, page, torch.maximum(self.kmax.gather(2, page), keys))
-
-    def _append_slot_token(self, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> None:
-        """One token of the offloaded heads goes to their newest device page; a full page goes to the host."""
-        st, ps, D = self.state, self.config.page_size, self.head_dim
-        if plan.may(plan.new_page):
+        cache (one kernel for every head); a page it fills goes to the host.  Device scalars only; ``plan``
+        merely lets an eager step skip predicated-away launches."""
+        st, ps = self.state, self.config.page_size
+        offloaded = self.slot_heads.numel() > 0
+        if offloaded and plan.may(plan.new_page):
             self.slots.place_new_page(st.page, self.tail_phys, None if plan.new_page else st.new_page)
-        rows = (self.tail_phys * ps + st.offset).reshape(-1)
-        self.pool.k.view(-1, D).index_copy_(0, rows, k.reshape(-1, D))
-        self.pool.v.view(-1, D).index_copy_(0, rows, v.reshape(-1, D))
-        self.host_current = bool(plan.page_full)  # a page that fills goes to the host now; else only its slot has it
-        if plan.may(plan.page_full):
-            with copy_context(self.copies):
-                offload_page(self.ops, self.pool, self.host, st.page, self.tail_phys,
-                             None if plan.page_full else st.page_full)
-            pages = self.batch * self.slot_heads.numel()
-            st.counters.add("offloaded", pages if plan.page_full else st.page_full * pages)
+        # Each head's physical row: resident heads' page from the page table, offloaded heads' newest slot.
+        phys = self.pool.page_table.index_select(2, st.page)[..., 0].long()  # [B, H]
+        if offloaded:
+            phys = phys.index_copy(1, self.slot_heads, self.tail_phys)
+        rows = phys * ps + st.offset
+        self.ops.append_token(self.pool.k, self.pool.v, self.kmin, self.kmax, key_states[:, :, 0],
+                              value_states[:, :, 0], rows, st.page)
+        if offloaded:
+            self.host_current = bool(plan.page_full)  # a filled page goes to the host now; else only its slot has it
+            if plan.may(plan.page_full):
+                with copy_context(self.copies):
+                    offload_page(self.ops, self.pool, self.host, st.page, self.tail_phys,
+                                 None if plan.page_full else st.page_full)
+                pages = self.batch * self.slot_heads.numel()
+                st.counters.add("offloaded", pages if plan.page_full else st.page_full * pages)
 
     def _append_chunk(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         """A prompt chunk of the offloaded heads goes whole to the host; the device keeps the newest page.

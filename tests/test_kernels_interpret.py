@@ -99,6 +99,7 @@ if not INTERPRETED:
 
 else:
     from flexicache_hf.kernels import reference as R
+    from flexicache_hf.kernels.append import append_token
     from flexicache_hf.kernels.gpu import GPU_OPS
     from flexicache_hf.kernels.minmax import minmax_update
     from flexicache_hf.kernels.scores import page_scores
@@ -138,6 +139,28 @@ else:
             R.minmax_update(*ref, keys[:, :, a:b], a, valid_lo, ps)
             assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1]), (a, b)
         assert torch.isinf(ours[0][2, :, 0]).all()  # a page of pure padding keeps its sentinels
+
+    @pytest.mark.parametrize("dtype", DTYPES)
+    def test_append_token_matches_reference(dtype):
+        torch.manual_seed(5)
+        B, H, D, ps, P, cap = 2, 3, 64, 8, 40, 6
+        pools = [torch.randn(P, ps, D).to(dtype) for _ in range(2)]
+        k_min, k_max = make_minmax(B, H, cap, D, dtype)
+        k_min[:, :, :2], k_max[:, :, :2] = -1.0, 1.0  # a page already holding tokens
+        # HF's [B, H, 1, D] view of a [B, 1, H, D] projection: non-contiguous over heads
+        key = torch.randn(B, 1, H, D).to(dtype).transpose(1, 2)[:, :, 0]
+        value = torch.randn(B, 1, H, D).to(dtype).transpose(1, 2)[:, :, 0]
+        for page, off in ((1, 3), (2, 0)):  # into a filled page, then a fresh one
+            rows = torch.randperm(P)[: B * H].view(B, H) * ps + off
+            page_t = torch.tensor([page])
+            ours = [t.clone() for t in (*pools, k_min, k_max)]
+            ref = [t.clone() for t in (*pools, k_min, k_max)]
+            append_token(*ours, key, value, rows, page_t)
+            R.append_token(*ref, key, value, rows, page_t)
+            for a, b in zip(ours, ref):
+                assert torch.equal(a, b), page
+            assert torch.equal(ours[0].view(-1, D)[rows.reshape(-1)], key.reshape(-1, D))
+            assert torch.equal(ours[2][:, :, page], torch.minimum(k_min[:, :, page], key)), page
 
     def test_minmax_long_chunk_non_contiguous_keys():
         torch.manual_seed(2)

@@ -23,6 +23,7 @@ class KernelOps:
 
     name: str
     minmax_update: Callable[..., None]
+    append_token: Callable[..., None]
     page_scores: Callable[..., torch.Tensor]
     select_pages: Callable[..., torch.Tensor]
     sparse_decode: Callable[..., torch.Tensor]
@@ -38,6 +39,7 @@ from .ops import traced  # noqa: E402 - after the constant the kernels read
 REFERENCE_OPS = KernelOps(
     name="reference",
     minmax_update=reference.minmax_update,
+    append_token=traced("append_token", reference.append_token),
     page_scores=traced("page_scores", reference.page_scores),
     select_pages=traced("select_pages", reference.select_pages),
     sparse_decode=traced("sparse_decode", reference.sparse_decode),

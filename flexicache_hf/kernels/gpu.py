@@ -18,6 +18,7 @@ from __future__ import annotations
 from . import KernelOps
 from types import SimpleNamespace
 
+from .append import append_token
 from .minmax import minmax_update
 from .ops import traced
 from .row_copy import RowCopier
@@ -28,14 +29,15 @@ from .uva_copy import PageCopier
 
 # The kernels themselves (what the custom ops of .ops run on CUDA tensors).  The copier owns the compiled
 # NVRTC kernel (one per device, built on first use), so that cache lives exactly as long as this module.
-GPU_KERNELS = SimpleNamespace(page_scores=page_scores, select_pages=select_pages, sparse_decode=sparse_decode,
-                              copy_pages=PageCopier().copy_pages)
+GPU_KERNELS = SimpleNamespace(append_token=append_token, page_scores=page_scores, select_pages=select_pages,
+                              sparse_decode=sparse_decode, copy_pages=PageCopier().copy_pages)
 
 # The decode-step kernels go through .ops (direct launches eagerly, custom ops under torch.compile); the
 # prompt-side ones (minmax over a chunk, row copies) run eagerly only.
 GPU_OPS = KernelOps(
     name="triton",
     minmax_update=minmax_update,
+    append_token=traced("append_token", append_token),
     page_scores=traced("page_scores", page_scores),
     select_pages=traced("select_pages", select_pages),
     sparse_decode=traced("sparse_decode", sparse_decode),

@@ -74,6 +74,17 @@ def _(dst, dst_index, src, src_index):
     return None
 
 
+@custom_op("flexicache::append_token", mutates_args=("k_pool", "v_pool", "kmin", "kmax"))
+def append_token_op(k_pool: Tensor, v_pool: Tensor, kmin: Tensor, kmax: Tensor, key: Tensor, value: Tensor,
+                    rows: Tensor, page: Tensor) -> None:
+    _impl("append_token", key)(k_pool, v_pool, kmin, kmax, key, value, rows, page)
+
+
+@append_token_op.register_fake
+def _(k_pool, v_pool, kmin, kmax, key, value, rows, page):
+    return None
+
+
 def traced(name: str, eager):
     """``eager`` (a kernel with the :mod:`.reference` signature), or its op while torch.compile traces."""
 
@@ -97,6 +108,11 @@ def traced(name: str, eager):
         if torch.compiler.is_compiling():
             return copy_pages_op(dst, dst_index, src, src_index)
         return eager(dst, dst_index, src, src_index)
+
+    def append_token(k_pool, v_pool, kmin, kmax, key, value, rows, page):
+        if torch.compiler.is_compiling():
+            return append_token_op(k_pool, v_pool, kmin, kmax, key, value, rows, page)
+        return eager(k_pool, v_pool, kmin, kmax, key, value, rows, page)
 
     wrapper = locals()[name]
     wrapper.__doc__ = eager.__doc__

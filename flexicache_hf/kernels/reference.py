@@ -56,6 +56,28 @@ def minmax_update(
     kmax[:, :, first_page : last_page + 1] = torch.where(any_valid, torch.maximum(cur_max, hi), cur_max).to(kmax.dtype)
 
 
+def append_token(
+    k_pool: torch.Tensor,  # [num_physical, page_size, D]
+    v_pool: torch.Tensor,
+    kmin: torch.Tensor,  # [B, H, P_cap, D]
+    kmax: torch.Tensor,
+    key: torch.Tensor,  # [B, H, D] the decode token's keys
+    value: torch.Tensor,  # [B, H, D]
+    rows: torch.Tensor,  # [B, H] int64 physical row (physical page * page_size + offset) of each (row, head)
+    page: torch.Tensor,  # [1] int64 logical page the token belongs to
+) -> None:
+    """Store one decode token per (row, KV head) at its physical pool row and fold its key into the MinMax
+    entry of logical ``page`` (in place).  Decode tokens are never padding, so every one is folded."""
+    B, H, D = key.shape
+    flat = rows.reshape(-1)
+    k_pool.view(-1, D).index_copy_(0, flat, key.reshape(-1, D).to(k_pool.dtype))
+    v_pool.view(-1, D).index_copy_(0, flat, value.reshape(-1, D).to(v_pool.dtype))
+    idx = page.view(1, 1, 1, 1).expand(B, H, 1, D)
+    k = key[:, :, None].to(kmin.dtype)
+    kmin.scatter_(2, idx, torch.minimum(kmin.gather(2, idx), k))
+    kmax.scatter_(2, idx, torch.maximum(kmax.gather(2, idx), k))
+
+
 def page_scores(
     query: torch.Tensor,  # [B, Hq, D] the decode step's queries
     kmin: torch.Tensor,  # [B, H, P_cap, D]

@@ -144,6 +144,30 @@ def test_select_pages_large(P, k):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_append_token_matches_reference_large(dtype):
+    """One decode token of 64 rows x 8 heads (Llama-8B head shape) into shuffled pool rows, bit-exact."""
+    from flexicache_hf.kernels import reference as R
+    from flexicache_hf.kernels.append import append_token
+
+    g = torch.Generator(device=DEV).manual_seed(3)
+    B, H, D, ps, cap = 64, 8, 128, 16, 40
+    P = 1 + B * H * cap
+    pools = [torch.randn(P, ps, D, generator=g, device=DEV).to(dtype) for _ in range(2)]
+    k_min = torch.randn(B, H, cap, D, generator=g, device=DEV).to(dtype)
+    k_max = k_min + 1
+    key = torch.randn(B, 1, H, D, generator=g, device=DEV).to(dtype).transpose(1, 2)[:, :, 0]
+    value = torch.randn(B, 1, H, D, generator=g, device=DEV).to(dtype).transpose(1, 2)[:, :, 0]
+    rows = (1 + torch.randperm(P - 1, device=DEV)[: B * H].view(B, H)) * ps + 5
+    page = torch.tensor([7], device=DEV)
+    ours = [t.clone() for t in (*pools, k_min, k_max)]
+    ref = [t.clone() for t in (*pools, k_min, k_max)]
+    append_token(*ours, key, value, rows, page)
+    R.append_token(*ref, key, value, rows, page)
+    for a, b in zip(ours, ref):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_copy_pages_host_device_exact(dtype):
     from flexicache_hf.kernels.gpu import GPU_OPS
 
