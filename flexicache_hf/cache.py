@@ -28,8 +28,9 @@ from .config import FlexiCacheConfig
 from .dense import dense_attention
 from .kernels import MAX_SELECT_PAGES, KernelOps, ops_for
 from .pages import PagePool, PoolLayout, grown_capacity, num_pages
-from .head_profile import HeadProfile, ProfileError, resolve_profile
+from .head_profile import HeadProfile, resolve_profile
 from .rerank import RerankEvent, Reranker, SelectionObserver
+from .sharding import TensorParallel, kv_head_shard, tp_size_of
 from .state import GRAPH_PLAN, DecodeState, DeviceCounters, StepPlan
 from .tiers import CopyStream, HostTier, SlotTable, copy_context, load_promoted, offload_page
 
@@ -186,18 +187,16 @@ class FlexiCacheLayer(CacheLayerMixin):
     # ---- storage -------------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, H, _, D = key_states.shape
-        ident = self.owner.profile.model
-        if (H, D) != (ident.num_kv_heads, ident.head_dim):
-            raise ProfileError(
-                f"layer {self.layer_idx} has {H} KV heads of dim {D}, but the profile was made for "
-                f"{ident.num_kv_heads} KV heads of dim {ident.head_dim} ({ident.name or ident.model_type}); "
-                "profile this model with `python -m flexicache_hf.profile`"
-            )
+        # The profile's global KV heads this layer holds here (all, or this rank's tensor-parallel block), and
+        # its unstable heads among them as local indices; a profile of another shape is refused.
+        self.shard = kv_head_shard(self.owner.profile.model, self.layer_idx, H, D,
+                                   TensorParallel.of_process(self.owner.tp_size))
+        unstable = self.shard.to_local(self.unstable)
         cfg = self.config
         self.device, self.dtype = key_states.device, key_states.dtype
         self.batch, self.num_kv_heads, self.head_dim = B, H, D
         self.ops: KernelOps = ops_for(self.device, prefer=self.owner.kernels)
-        stable = tuple(h for h in range(H) if h not in set(self.unstable))
+        stable = tuple(h for h in range(H) if h not in set(unstable))
         slot_heads = stable if cfg.offload else ()
         full_heads = tuple(h for h in range(H) if h not in set(slot_heads))
         as_index = lambda hs: torch.tensor(hs, dtype=torch.long, device=self.device)  # noqa: E731
@@ -208,7 +207,7 @@ class FlexiCacheLayer(CacheLayerMixin):
         self.host = HostTier(B, len(slot_heads), cfg.page_size, D, self.dtype, self.device,
                              cfg.host_memory_limit, _HostBytesOf(self.owner), self.copies, self.ops)
         self.slots = SlotTable(self.pool, self.device)
-        self.reranker = Reranker(B, H, self.unstable, cfg.budget_pages, cfg.max_recent_pages, self.device,
+        self.reranker = Reranker(B, H, unstable, cfg.budget_pages, cfg.max_recent_pages, self.device,
                                  cfg.sink_pages, cfg.recent_pages)
         self.state = self.owner.decode_state(self.device)  # shared by every layer on this device (the schedule)
         self.states = self.owner.states  # every device's (layer 0 advances them all; a dict: no reference cycle)
@@ -666,6 +665,7 @@ class FlexiCache(Cache):
         # they hold the same values), made by the first layer on each device.
         self.states: dict[str, DecodeState] = {}
         self.max_positions = None
+        self.tp_size = None  # the model's tensor-parallel size, once check_model saw its config (see sharding.py)
         self._checked_config = None
         layers = [
             FlexiCacheLayer(i, self.profile.unstable_heads(i), self.config, self)
@@ -835,6 +835,7 @@ class FlexiCache(Cache):
             raise ValueError(f"max_cache_len={self.max_tokens} exceeds the model's context of {limit} positions "
                              "(max_position_embeddings): shorten the prompt or max_new_tokens")
         self.max_positions = limit
+        self.tp_size = tp_size_of(model_config)
         self._checked_config = model_config
 
     def host_bytes(self) -> int:
