@@ -245,3 +245,51 @@ def test_format_table_columns_line_up():
     assert len({len(l) for l in rows} | {len(head)}) == 1  # "-" cells padded like numbers
     long = [{"case": "1x1", "row": "static-x", "error": "ValueError: " + "y" * 500}]
     assert len(g.format_table(long).splitlines()[1]) < 160
+
+
+def test_top_kernels_rank_by_time_in_window():
+    ms = 1e6
+    marks = [i * 10 * ms for i in range(6)]  # window marks[3]..marks[5]: 2 steps
+    dev = [(0, 9 * ms, "kernel", "prefill")]  # before the window: not counted
+    for i in (3, 4):
+        t = i * 10 * ms
+        dev += [(t, t + 1 * ms, "kernel", "small"), (t + 1 * ms, t + 2 * ms, "kernel", "small"),
+                (t + 2 * ms, t + 5 * ms, "kernel", "gemm" + "x" * 100)]
+    top = g.top_kernels(dev, marks)
+    assert [k["name"] for k in top] == ["gemm" + "x" * 76, "small"]
+    assert top[0]["ms_per_step"] == pytest.approx(3) and top[1]["count_per_step"] == pytest.approx(2)
+    assert g.top_kernels(dev, marks[:2]) == []
+    assert g.gpu_busy(dev, marks)["kernels_per_step"] == pytest.approx(3)  # 4-tuples accepted
+
+
+def test_split_events_with_names():
+    ev = [FakeKineto("gemm", "CUDA", 11, 15, "kernel")]
+    assert g.split_events(ev, names=True)[0] == [(11, 15, "kernel", "gemm")]
+
+
+# ---- the static-sdpa_grouped row's attention: exact against transformers' sdpa --------------------------------
+@pytest.mark.parametrize("padded", [False, True])
+def test_grouped_sdpa_static_cache_equals_dynamic_sdpa(padded):
+    from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
+
+    from conftest import tiny_config
+    from flexicache_hf.bench import grouped_sdpa
+
+    grouped_sdpa.register()
+    cfg = tiny_config("llama", heads=8, kv_heads=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    ids = torch.randint(2, 90, (2, 37))
+    mask = torch.ones_like(ids)
+    if padded:
+        ids[1, :5], mask[1, :5] = 0, 0
+    kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, disable_compile=True)
+    with torch.no_grad():
+        want = model.generate(ids, past_key_values=DynamicCache(), **kw)
+        ref_logits = model(ids, attention_mask=mask).logits
+        model.set_attn_implementation(grouped_sdpa.NAME)
+        got = model.generate(ids, past_key_values=StaticCache(config=model.config, max_cache_len=64), **kw)
+        logits = model(ids, attention_mask=mask).logits
+    assert torch.equal(got, want)
+    keep = mask.bool()
+    torch.testing.assert_close(logits[keep], ref_logits[keep], atol=1e-5, rtol=1e-4)

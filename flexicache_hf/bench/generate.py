@@ -20,8 +20,10 @@ Rows:
   ``cache_implementation="static"`` makes), so ``generate`` compiles the decode step itself
   (``torch.compile`` "reduce-overhead", CUDA graphs): the fastest dense path transformers has.  One row per
   ``--static-variants`` entry, the attention implementation: ``sdpa`` gives the row ``static``, any other
-  (``eager``, ``flex_attention``, ...) ``static-<impl>``.  An unsupported variant or an out-of-memory
-  records ``{"error": ...}`` and the run goes on.
+  (``eager``, ``flex_attention``, ``sdpa_grouped``, ...) ``static-<impl>``.  ``sdpa_grouped``
+  (:mod:`flexicache_hf.bench.grouped_sdpa`) is SDPA that reads each KV head once (no ``repeat_kv`` under a
+  mask) and prefills without a quadratic mask: the strongest StaticCache configuration we found.  An
+  unsupported variant or an out-of-memory records ``{"error": ...}`` and the run goes on.
 * ``offloaded``: ``cache_implementation="offloaded"`` (``DynamicCache`` with layer-wise CPU offload);
   fewer steps (``--offloaded-tokens``) since each costs ~1 s at long contexts.
 * ``flexicache``: ``FlexiCache(profile, token_budget=..., max_cache_len=prompt + new)``, **eager**
@@ -46,7 +48,8 @@ step clock then also drops a marker (``record_function``) at every stamp, in the
 window from the 4th stamp to the last (N + 4 decode steps, after the prefill and the first steps), the union of
 the CUDA kernel / memcpy / memset intervals (clipped to the window) divided by the window is
 ``gpu_busy_fraction``; kernels whose start lies in the window per step is ``kernels_per_step``; also
-``gpu_busy_ms_per_step``, ``window_ms_per_step``, ``graph_launches_per_step``.  The clock synchronises every step
+``gpu_busy_ms_per_step``, ``window_ms_per_step``, ``graph_launches_per_step``, and ``top_kernels`` (the 15
+device operations with the most time per step).  The clock synchronises every step
 (as in the measured call), so the fraction explains the measured step: ``busy × step`` is GPU time, the rest is
 host time per step (generate's Python, the launch of a graph or of eager kernels).  The profiler's own overhead
 slows the host side somewhat.  A trace without step markers or device events records ``profile_error``.
@@ -245,18 +248,37 @@ def gpu_busy(device_events: list[tuple[float, float, str]], marks: list[float], 
         raise ValueError(f"{len(marks)} step markers in the trace, need at least {skip + 2}")
     w0, w1 = marks[skip], marks[-1]
     steps = len(marks) - 1 - skip
-    clipped = [(max(s, w0), min(e, w1)) for s, e, _ in device_events if e > w0 and s < w1]
+    clipped = [(max(s, w0), min(e, w1)) for s, e, *_ in device_events if e > w0 and s < w1]
     if not clipped:
         raise ValueError("no CUDA kernel / memcpy events inside the decode window "
                          "(CUPTI did not record device activity?)")
     busy = union_length(clipped)
-    count = {k: sum(1 for s, _, kind in device_events if kind == k and w0 <= s < w1)
+    count = {k: sum(1 for s, _, kind, *_ in device_events if kind == k and w0 <= s < w1)
              for k in ("kernel", "memcpy", "memset")}
     return {"gpu_busy_fraction": busy / (w1 - w0), "kernels_per_step": count["kernel"] / steps,
             "memcpy_per_step": count["memcpy"] / steps, "memset_per_step": count["memset"] / steps,
             "gpu_busy_ms_per_step": busy / steps / 1e6, "window_ms_per_step": (w1 - w0) / steps / 1e6,
             "graph_launches_per_step": sum(1 for t in graph_launches if w0 <= t < w1) / steps,
             "profile_window_steps": steps}
+
+
+def top_kernels(device_events: list[tuple], marks: list[float], *, skip: int = PROFILE_SKIP, n: int = 15) -> list[dict]:
+    """The ``n`` device operations that take the most time per decode step in the window of :func:`gpu_busy`:
+    ``{"name", "ms_per_step", "count_per_step"}`` from ``(start, end, kind, name)`` events (ns), names cut to 80
+    characters (Inductor's fused kernels carry long names)."""
+    marks = sorted(marks)
+    if len(marks) < skip + 2:
+        return []
+    w0, w1 = marks[skip], marks[-1]
+    steps = len(marks) - 1 - skip
+    total: dict[str, list[float]] = {}
+    for s, e, _, name in device_events:
+        if w0 <= s < w1:
+            t = total.setdefault(name[:80], [0.0, 0])
+            t[0] += e - s
+            t[1] += 1
+    ranked = sorted(total.items(), key=lambda kv: -kv[1][0])[:n]
+    return [{"name": k, "ms_per_step": v[0] / steps / 1e6, "count_per_step": v[1] / steps} for k, v in ranked]
 
 
 def device_kind(name: str, activity: str | None) -> str | None:
@@ -271,9 +293,10 @@ def device_kind(name: str, activity: str | None) -> str | None:
     return "kernel"
 
 
-def split_events(events) -> tuple[list[tuple[float, float, str]], list[float], list[float]]:
+def split_events(events, *, names: bool = False) -> tuple[list[tuple], list[float], list[float]]:
     """(device events, step marks, graph launch times) in ns, from kineto events (``prof.profiler.kineto_results
-    .events()``) or, failing that, ``FunctionEvent``s (``prof.events()``, times in us)."""
+    .events()``) or, failing that, ``FunctionEvent``s (``prof.events()``, times in us).  A device event is
+    ``(start, end, kind)``, with ``names`` ``(start, end, kind, name)``."""
     dev, marks, launches = [], [], []
     for e in events:
         if hasattr(e, "start_ns"):
@@ -291,7 +314,7 @@ def split_events(events) -> tuple[list[tuple[float, float, str]], list[float], l
         elif on_device and not annotation and name != MARK:
             kind = device_kind(name, activity)
             if kind is not None:
-                dev.append((start, end, kind))
+                dev.append((start, end, kind, name) if names else (start, end, kind))
         elif not on_device and name in ("cudaGraphLaunch", "cudaGraphLaunch_v10000", "cuGraphLaunch"):
             launches.append(start)
     return dev, marks, launches
@@ -506,8 +529,9 @@ def profile_decode(model, ids, row, args, profile) -> dict:
         t = time.perf_counter()
         kineto = getattr(getattr(prof, "profiler", None), "kineto_results", None)
         events = kineto.events() if kineto is not None else prof.events()
-        dev, marks, launches = split_events(events)
+        dev, marks, launches = split_events(events, names=True)
         out = gpu_busy(dev, marks, graph_launches=launches)
+        out["top_kernels"] = top_kernels(dev, marks)
         out.update(profile_tokens=new, profile_median_step_ms=res.get("median_step_ms"),
                    profile_graphs_added=res["dynamo_graphs_added"], profile_parse_s=time.perf_counter() - t)
         return out
@@ -754,6 +778,8 @@ def main(argv=None) -> list[dict]:
         raise SystemExit("bench.generate needs a CUDA device")
     if args.host_limit_gb is None:
         args.host_limit_gb = default_host_limit_gb()
+    from .grouped_sdpa import register
+    register()  # the static-sdpa_grouped row's attention
     model, profile, make_prompt = load(args)
     max_pos = getattr(model.config, "max_position_embeddings", None)
     results, warmed = [], set()
