@@ -273,6 +273,8 @@ class FlexiCacheLayer(CacheLayerMixin):
         owner = self.owner
         if self.layer_idx == 0:
             owner.ensure_usable()  # a forward left part-way: start over (if it began empty) or refuse
+        if self.is_initialized and self.seq_len == 0 and not self._fits(key_states):
+            self._drop()  # buffers kept by reset() for another batch or dtype: allocate anew
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if key_states.shape[0] != self.batch:
@@ -540,13 +542,43 @@ class FlexiCacheLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
+        """Empty the layer.  Sized once for ``max_cache_len``, it keeps its buffers and clears them in place (as
+        StaticCache's reset does): the next prompt of the same batch and dtype reuses them at the same addresses,
+        so a compiled decode step replays its CUDA graphs instead of recording new ones (the pinned host tier
+        stays held too).  A growing layer drops everything."""
         if self.is_initialized:
             self.copies.synchronize()  # queued copies must not land in host blocks handed to another cache
+            if self.owner.max_tokens is not None and self.page_capacity:
+                self._clear()
+                return
+        self._drop()
+
+    def _drop(self) -> None:
         for name in ("pool", "host", "slots", "reranker", "kmin", "kmax", "valid_lo", "tail_phys", "prefetched",
                      "state", "last_attended"):
             self.__dict__.pop(name, None)
         self.seq_len = 0
         self.is_initialized = False
+
+    def _clear(self) -> None:
+        """As new, in place: the MinMax cache empty, no slot holds a page, no selection, no padding."""
+        self.kmin.fill_(float("inf"))
+        self.kmax.fill_(float("-inf"))
+        if self.slot_heads.numel():
+            self.slots.clear()
+        self.tail_phys.zero_()
+        self.valid_lo.zero_()
+        self.reranker.clear()
+        self.padded, self.host_current, self.copies_pending = False, True, False
+        self.prefetched = None
+        self.__dict__.pop("last_attended", None)
+        self.seq_len = 0
+
+    def _fits(self, key_states: torch.Tensor) -> bool:
+        """Whether kept (reset) buffers serve these states: same batch, heads, head dim, dtype and device."""
+        B, H, _, D = key_states.shape
+        return ((B, H, D) == (self.batch, self.num_kv_heads, self.head_dim) and key_states.dtype == self.dtype
+                and key_states.device == self.device)
 
     def offload(self):  # transformers' whole-layer offloading does not apply: FlexiCache tiers per head
         pass
@@ -814,7 +846,11 @@ class FlexiCache(Cache):
         super().reset()
         self.guard.clear()
         self.prompt_tokens = 0
-        self.states.clear()
+        if any(layer.is_initialized for layer in self.layers):  # buffers kept (max_cache_len): so is the schedule,
+            for state in self.states.values():  # zeroed at its addresses (a captured step reads them)
+                state.reset()
+        else:
+            self.states.clear()
 
     def check_model(self, model_config) -> None:
         """Refuse a model this cache cannot serve: another shape than the profile's, or non-full attention."""

@@ -59,6 +59,11 @@ class Reranker:
     def buffers(self) -> list[torch.Tensor]:
         return [self.all_heads, self.is_stable, self.recent_offsets, self.selected, self.reranks]
 
+    def clear(self) -> None:
+        """No page selected, no re-rank counted (in place)."""
+        self.selected.fill_(-1)
+        self.reranks.zero_()
+
     def scored_heads(self, stable_due: bool) -> torch.Tensor:
         """Host-side: the KV heads a step with (or without) a stable re-rank scores (for the observer)."""
         if stable_due and self.num_stable:

@@ -144,6 +144,34 @@ def test_batch_size_change_is_refused():
         fc(torch.randint(2, 96, (3, 4)), past_key_values=cache)
 
 
+def test_reset_of_a_sized_cache_keeps_its_buffers_and_serves_like_a_new_one():
+    """With max_cache_len, reset() clears the buffers in place (a compiled step's CUDA graphs then replay for the
+    next prompt); the next prompt gives what a fresh cache gives, and another batch size allocates anew."""
+    cfg = tiny_config("llama", heads=4, kv_heads=2)
+    fc, _ = twin_models(cfg)
+    prof = HeadProfile.random(cfg, 0.5, seed=3)
+    make = lambda: FlexiCache(prof, page_size=4, token_budget=8, rerank_interval=3, max_cache_len=40)  # noqa: E731
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.randint(2, 96, (2, 21), generator=g), torch.randint(2, 96, (2, 17), generator=g)
+    cache = make()
+    gen(fc, a, cache, n=12)
+    layer = cache.layers[1]
+    ptrs = [t.data_ptr() for t in layer.buffers() + cache._state.tensors()]
+    cache.reset()
+    assert cache.get_seq_length() == 0 and cache.stats.decode_steps == 0
+    fresh = make()
+    assert torch.equal(gen(fc, b, cache, n=12), gen(fc, b, fresh, n=12))
+    assert cache.stats == fresh.stats and cache.memory_report()["tokens"] == fresh.memory_report()["tokens"]
+    assert [t.data_ptr() for t in layer.buffers() + cache._state.tensors()] == ptrs
+    for mine, new in zip(cache.layers, fresh.layers):  # every stored token and selection as a new cache's
+        assert torch.equal(mine.gather_tokens(mine.seq_len)[0], new.gather_tokens(new.seq_len)[0])
+        assert torch.equal(mine.kmin, new.kmin) and torch.equal(mine.reranker.selected, new.reranker.selected)
+    cache.reset()
+    one = b[:1]
+    assert torch.equal(gen(fc, one, cache, n=6), gen(fc, one, make(), n=6))  # another batch: allocated anew
+    assert cache.layers[1].batch == 1
+
+
 def test_reset_empties_the_cache():
     cfg = tiny_config("llama", heads=4, kv_heads=2)
     fc, _ = twin_models(cfg)

@@ -110,6 +110,22 @@ def test_compiled_steps_past_max_cache_len_are_refused_on_next_use(setup):
     assert cache.get_seq_length() == 41
 
 
+def test_compiled_decode_after_reset_reuses_the_program(setup):
+    """reset() keeps a sized cache's buffers at their addresses: the next prompt's compiled steps run the same
+    program (on CUDA, the same recorded graphs) and give a fresh cache's tokens."""
+    cfg, fc, _, ids, mask = setup
+    prof = HeadProfile.from_unstable(cfg, [(1, 0)])
+    make = lambda: FlexiCache(prof, page_size=4, token_budget=12, rerank_interval=4, max_cache_len=37 + 24)  # noqa: E731
+    cache = make()
+    run(fc, ids, mask, cache, 24, compiled=True)
+    other = ids.roll(7, 1)
+    want = run(fc, other, mask, make(), 24, compiled=False)
+    before = graphs()
+    cache.reset()
+    assert torch.equal(run(fc, other, mask, cache, 24, compiled=True), want)
+    assert graphs() == before
+
+
 def test_not_compileable_without_max_cache_len_or_with_observer(setup):
     cfg = setup[0]
     prof = HeadProfile.all_stable(cfg)

@@ -31,7 +31,9 @@ Rows:
   ``flexicache-again``: the second shows the pinned-memory pool reused and no warm-up left).
 * ``flexicache-graph``: the same cache config with ``generate``'s auto-compile (FlexiCache with a
   ``max_cache_len`` is compileable, like StaticCache), also twice: ``flexicache-graph-again`` is a second
-  fresh cache after compilation (its ``dynamo_graphs_added`` should be 0: no recompile).
+  fresh cache after compilation (its ``dynamo_graphs_added`` should be 0: no recompile).  Both flexicache rows
+  then run once more on that last cache after ``cache.reset()`` (``-reset``): a sized cache keeps its buffers at
+  their addresses, so a compiled step replays its recorded CUDA graphs (the first step shows it).
 
 Every row first warms up: a compiling row (``static*``, ``flexicache-graph``) with a call at the very shapes
 it is measured at, stopped after 4 steps (compiled and captured); the eager rows once per process on a 1×1024
@@ -565,10 +567,16 @@ def run_row(model, ids, row, args, profile, warmed: set, *, again: bool = True) 
         for name in names:
             current = name
             gc.collect()
-            res, _, _ = generate_once(model, ids, row, args, new, profile=profile)
+            res, cache, _ = generate_once(model, ids, row, args, new, profile=profile)
             if name == row:
                 res.update(warm)
             results.append((name, res))
+        if again and row.startswith("flexicache"):  # the last cache once more after reset(): buffers kept
+            current = f"{row}-reset"
+            cache.reset()
+            res, _, _ = generate_once(model, ids, row, args, new, profile=profile, cache=cache)
+            results.append((current, res))
+        cache = None
         if args.profile_steps > 0 and is_profiled(row):
             current = row
             gc.collect()
