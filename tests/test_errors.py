@@ -1,10 +1,8 @@
 """Every refusal path: a clear error, raised before the cache or the model is left half-changed."""
 
-import copy
-
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import DynamicCache
 
 from conftest import tiny_config, twin_models
 from flexicache_hf import (CacheStateError, ConfigError, FlexiCache, FlexiCacheConfig, HeadProfile, HostMemoryError, ProfileError,
