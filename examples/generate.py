@@ -13,7 +13,7 @@ import argparse
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from flexicache_hf import FlexiCache, FlexiCacheConfig  # importing the package registers attn_implementation="flexicache", FlexiCacheConfig
+from flexicache_hf import FlexiCache, FlexiCacheConfig  # the import registers attn_implementation="flexicache"
 from flexicache_hf.data import build_prompt, load_documents
 from flexicache_hf.models import load_default_model
 
