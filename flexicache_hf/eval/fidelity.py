@@ -62,11 +62,16 @@ def score(model, refs: list[Reference], make_cache, free_run: bool = True) -> li
     """Fidelity of one policy (``make_cache()`` gives a fresh cache of it) against each of ``refs``."""
     prompts = torch.cat([r.prompt for r in refs])
     conts = [r.continuation for r in refs]
-    nlls, argmaxes = teacher_forced(model, prompts, conts, make_cache())
+    cache = make_cache()
+    nlls, argmaxes = teacher_forced(model, prompts, conts, cache)
+    # Caches that measure something of their own per row (the oracle: attention mass kept) report it too.
+    stats = cache.row_stats() if hasattr(cache, "row_stats") else []
+    stats = stats or [{} for _ in refs]
     owns = greedy(model, prompts, make_cache(), len(conts[0])) if free_run else [None] * len(refs)
     rows = []
-    for nll, argmax, cont, own in zip(nlls, argmaxes, conts, owns):
+    for nll, argmax, cont, own, extra in zip(nlls, argmaxes, conts, owns, stats):
         row = {
+            **extra,
             "nll": sum(nll) / len(nll),
             "ppl": math.exp(sum(nll) / len(nll)),
             "top1_agreement": sum(a == b for a, b in zip(argmax, cont)) / len(cont),

@@ -1,4 +1,4 @@
-"""The named run configurations (``--config tiny|full``) and the policy grid each one expands to."""
+"""The named run configurations (``--config tiny|full|...``) and the policy grid each one expands to."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ class EvalConfig:
     fidelity_extra: tuple[Policy, ...] = ()  # policies scored on fidelity beyond the budget x family grid
     task_extra: tuple[Policy, ...] = ()  # policies run on the tasks beyond the budget x family grid and sweeps
     page_size: int = 16
+    model: str = "smollm2-135m"  # flexicache_hf.models.load_model name the CLI loads (--model overrides)
     dense_floor: float = 0.1  # tasks where dense scores below this are reported but left out of means
     seed: int = 0
     extra: dict = field(default_factory=dict, compare=False)
@@ -161,7 +162,64 @@ def pages8_tasks() -> EvalConfig:
                    fidelity_docs=0)
 
 
+def _oracle_variants(budgets: tuple[int, ...]) -> tuple[Policy, ...]:
+    """Per budget (budget-major, so a time limit drops whole budgets): Quest-like, FlexiCache as in the paper and
+    with a sink page + 4 recent pages (a *random* profile of 25 % unstable heads), the oracle without and with the
+    same forced pages, and the Quest-like selection through the oracle's reference path (same NLL as quest, plus
+    the attention mass its pages keep)."""
+    out: list[Policy] = []
+    for b in budgets:
+        out += [Policy("quest", b), Policy("flexicache", b, 16, 0.25, "random"),
+                Policy("flexicache", b, 16, 0.25, "random", 1, 4), Policy("oracle", b),
+                Policy("oracle", b, sink_pages=1, recent_pages=4), Policy("quest-ref", b)]
+    return tuple(out)
+
+
+def oracle_16k() -> EvalConfig:
+    """Issue 14: why does long generation degrade at 16k with budgets 1024 / 2048 on Qwen2.5-Coder-0.5B?
+    (GPU-sized; ``--model`` defaults to ``qwen2.5-coder-0.5b`` here.)
+
+    Fidelity: 8 documents (``fidelity.pick_documents``, spread over the corpus sources) of 16,384 prompt tokens
+    + 512 dense greedy tokens, teacher-forced, at budgets 1024 and 2048: dense, Quest-like, FlexiCache (paper:
+    R16, no forced pages), FlexiCache + sink 1 / recent 4, the oracle (exact attention mass ranking, same budget
+    and page rules, re-ranked every step) without and with sink 1 / recent 4, and quest-ref.  If the oracle
+    stays near dense while FlexiCache / Quest-like degrade, the min/max bound over a query-head group (7 query
+    heads per KV head on Qwen2.5-0.5B) is the limit; if not, the budget is.
+
+    **No measured Qwen profile exists yet**: FlexiCache rows use ``HeadProfile.random`` with 25 % unstable heads
+    (seed 0), labelled ``-random``; a control, not the paper's claim.
+
+    Tasks (``--part tasks``): niah_single / niah_multikey at ~16k tokens, 4 samples, budgets 1024 / 2048, the
+    same families (FlexiCache there with the random fallback too, named in the report's profile line).
+    ~5 min per part on an H200 (estimate); run the parts as separate commands with ``--max-minutes 9``.
+    """
+    return EvalConfig(name="oracle-16k", model="qwen2.5-coder-0.5b", tasks=("niah_single", "niah_multikey"),
+                      task_length=16000, samples=4, budgets=(1024, 2048),
+                      families=("quest", "flexicache", "oracle", "quest-ref"), rerank_intervals=(),
+                      unstable_fractions=(), reach_lengths=(), fidelity_docs=8, fidelity_prompt=16384,
+                      fidelity_length=512, fidelity_budgets=(), fidelity_families=(), fidelity_free_run=False,
+                      fidelity_extra=_oracle_variants((1024, 2048)))
+
+
+def oracle_16k_pages8() -> EvalConfig:
+    """``oracle-16k`` with 8-token pages (same token budgets, twice the pages): does a finer page grain close the
+    gap between the min/max selection and the oracle?"""
+    return replace(oracle_16k(), name="oracle-16k-pages8", page_size=8)
+
+
+def oracle_cpu() -> EvalConfig:
+    """CPU-sized evidence for the oracle question on the embedded SmolLM2: 2 documents of 2,048 prompt tokens,
+    64 dense tokens, teacher-forced, budget 256: Quest-like, FlexiCache (measured profile), oracle, quest-ref, then
+    FlexiCache and the oracle with a sink page + 4 recent pages.  A smoke-sized measurement (~5 min on 2 cores)."""
+    extra = (Policy("flexicache", 256, 16, 0.25, "measured", 1, 4), Policy("oracle", 256, sink_pages=1, recent_pages=4))
+    return EvalConfig(name="oracle-cpu", tasks=(), reach_lengths=(), fidelity_docs=2, fidelity_prompt=2048,
+                      fidelity_length=64, fidelity_budgets=(256,), fidelity_families=("quest", "flexicache", "oracle",
+                                                                                       "quest-ref"),
+                      fidelity_free_run=False, fidelity_extra=extra)
+
+
 def named_configs() -> dict:
     return {"tiny": tiny, "full": full, "gpu-short": gpu_short, "fidelity-3k": fidelity_3k,
             "profiles-3k": profiles_3k, "sinks-3k": sinks_3k, "recency-8k": recency_8k,
-            "free-8k": free_8k, "pages8-tasks": pages8_tasks}
+            "free-8k": free_8k, "pages8-tasks": pages8_tasks, "oracle-16k": oracle_16k,
+            "oracle-16k-pages8": oracle_16k_pages8, "oracle-cpu": oracle_cpu}

@@ -4,6 +4,11 @@ Every policy runs on the same model object (``attn_implementation="flexicache"``
 its paged path, every other cache its exact dense fallback, so differences in score are the cache's alone.
 Budgets are given either in tokens or as a fraction of the sample's context; both become the same token
 count for every policy of a sample (rounded down to whole FlexiCache pages, at least two pages).
+
+``oracle`` is not a cache one would deploy but the accuracy reference of the selection: FlexiCache's budget,
+page size and sink / recent rules, pages ranked by the exact attention mass of the current query, every head
+re-ranked every step (:mod:`flexicache_hf.eval.oracle`).  ``quest-ref`` is the Quest-like selection (min/max
+bound) through the same reference path: the numbers of ``quest``, plus the attention mass its pages keep.
 """
 
 from __future__ import annotations
@@ -16,8 +21,11 @@ from ..cache import FlexiCache
 from ..config import FlexiCacheConfig
 from ..head_profile import HeadProfile, ProfileError, resolve_profile
 from .eviction import lserve_cache, snapkv_cache, streaming_cache
+from .oracle import oracle_cache
 
-FAMILIES = ("dense", "flexicache", "quest", "streaming", "snapkv", "lserve")
+FAMILIES = ("dense", "flexicache", "quest", "streaming", "snapkv", "lserve", "oracle", "quest-ref")
+# Families that take FlexiCache's page selection rules (page size, sink and recent pages).
+PAGED_FAMILIES = ("flexicache", "quest", "oracle", "quest-ref")
 
 
 @dataclass(frozen=True)
@@ -29,8 +37,8 @@ class Policy:
     rerank_interval: int = 16  # FlexiCache's R; LServe's re-selection interval
     unstable_fraction: float = 0.25  # FlexiCache only
     profile: str = "measured"  # FlexiCache only: "measured" (the model's profile) or "random" (a control)
-    sink_pages: int = 0  # FlexiCache only: first pages kept by every re-rank
-    recent_pages: int = 0  # FlexiCache only: newest pages kept by every re-rank
+    sink_pages: int = 0  # PAGED_FAMILIES only: first pages kept by every re-rank
+    recent_pages: int = 0  # PAGED_FAMILIES only: newest pages kept by every re-rank
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -39,6 +47,8 @@ class Policy:
             raise ValueError("dense takes no budget; every other policy needs one")
         if self.profile not in ("measured", "random"):
             raise ValueError(f"profile must be 'measured' or 'random', got {self.profile!r}")
+        if (self.sink_pages or self.recent_pages) and self.family not in PAGED_FAMILIES:
+            raise ValueError(f"sink_pages / recent_pages apply to {PAGED_FAMILIES} only, not {self.family!r}")
 
     @property
     def label(self) -> str:
@@ -46,14 +56,13 @@ class Policy:
             return "dense"
         b = self.budget
         budget = f"{b}" if isinstance(b, int) else f"1/{round(1 / b)}"
+        forced = f"-sink{self.sink_pages}-recent{self.recent_pages}" if self.sink_pages or self.recent_pages else ""
         if self.family == "flexicache":
             tag = "-random" if self.profile == "random" else ""
-            if self.sink_pages or self.recent_pages:
-                tag += f"-sink{self.sink_pages}-recent{self.recent_pages}"
-            return f"flexicache-R{self.rerank_interval}-u{round(100 * self.unstable_fraction)}{tag}@{budget}"
+            return f"flexicache-R{self.rerank_interval}-u{round(100 * self.unstable_fraction)}{tag}{forced}@{budget}"
         if self.family == "lserve":
             return f"lserve-R{self.rerank_interval}@{budget}"
-        return f"{self.family}@{budget}"
+        return f"{self.family}{forced}@{budget}"
 
     def budget_tokens(self, context: int, page_size: int) -> int:
         b = self.budget if isinstance(self.budget, int) else int(self.budget * context)
@@ -122,6 +131,10 @@ def make_cache(policy: Policy, model_config, context: int, profiles: ProfileSour
         cfg = FlexiCacheConfig(page_size=page_size, token_budget=budget, rerank_interval=policy.rerank_interval,
                                offload=not quest, sink_pages=policy.sink_pages, recent_pages=policy.recent_pages)
         return FlexiCache(prof, cfg, model_config=model_config, kernels=kernels)
+    if policy.family in ("oracle", "quest-ref"):
+        cfg = FlexiCacheConfig(page_size=page_size, token_budget=budget, sink_pages=policy.sink_pages,
+                               recent_pages=policy.recent_pages)
+        return oracle_cache(layers, cfg, rank="mass" if policy.family == "oracle" else "bound")
     if policy.family == "streaming":
         return streaming_cache(layers, budget)
     if policy.family == "snapkv":

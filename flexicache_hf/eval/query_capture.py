@@ -1,4 +1,4 @@
-"""Hand each decoder layer's queries to caches that score keys with them (SnapKV, LServe).
+"""Hand each decoder layer's queries to caches that score keys with them (SnapKV, LServe, the oracle).
 
 ``Cache.update`` receives keys and values only.  A forward pre-hook on every attention module recomputes
 the layer's RoPE'd queries from the same inputs the module is about to use (one extra q-projection) and
@@ -36,6 +36,8 @@ def _hook(module, args, kwargs):
     if getattr(layer, "wants_query", False):
         hidden = args[0] if args else kwargs["hidden_states"]
         layer.query = _queries(module, hidden, kwargs["position_embeddings"])
+        if getattr(layer, "wants_scaling", False):  # the module's softmax scale (the oracle's exact attention)
+            layer.scaling = getattr(module, "scaling", None)
     return None
 
 

@@ -85,6 +85,9 @@ def fidelity_summary(rows: list[dict]) -> dict:
                   "nll_ratio": nll / dense if dense else None,
                   "top1_agreement": mean(r["top1_agreement"] for r in rs),
                   "agreement_length": mean(r["agreement_length"] for r in rs), "rouge_l": mean(rl) if rl else None}
+        am = [r["attended_mass"] for r in rs if "attended_mass" in r]
+        if am:  # the oracle's reference path: exact attention mass on the attended pages
+            out[p]["attended_mass"] = mean(am)
     return out
 
 
@@ -115,6 +118,11 @@ def _fidelity_tables(cfg: EvalConfig, rows: list[dict], summary: dict) -> list[s
         ratio = "–" if r["nll_ratio"] is None else f"{r['nll_ratio']:.3f}"
         lines.append(f"| {p} | {r['nll']:.3f} | {ratio} | {r['top1_agreement']:.3f} | {r['agreement_length']:.0f} | "
                      f"{_fmt(r['rouge_l'])} |")
+    mass = {p: r["attended_mass"] for p, r in summary.items() if "attended_mass" in r}
+    if mass:
+        lines += ["", "Exact attention mass on the attended pages (softmax over every cached key; mean over decode "
+                  "steps, layers, query heads and documents; dense = 1):", "",
+                  "| policy | attended mass |", "|---|---|"] + [f"| {p} | {m:.3f} |" for p, m in mass.items()]
     margins = fidelity_margins(summary)
     if margins:
         lines += ["", "FlexiCache minus each permanent-eviction baseline at the same budget (points of top-1 "
