@@ -218,8 +218,19 @@ def oracle_cpu() -> EvalConfig:
                       fidelity_free_run=False, fidelity_extra=extra)
 
 
+def oracle_qwen_cpu() -> EvalConfig:
+    """The oracle question on Qwen2.5-Coder-0.5B itself (7 query heads per KV head), CPU-sized: 2 documents of
+    8,192 prompt tokens + 32 dense tokens, teacher-forced, budget 512 (1/16 of the context): Quest-like, FlexiCache
+    (paper; *random* 25 % profile, no measured Qwen profile exists yet), oracle, quest-ref, and FlexiCache / the
+    oracle with a sink page + 4 recent pages.  ~25 min on 2 cores; the GPU grid ``oracle-16k`` is the measurement."""
+    return EvalConfig(name="oracle-qwen-cpu", model="qwen2.5-coder-0.5b", tasks=(), reach_lengths=(),
+                      fidelity_docs=2, fidelity_prompt=8192, fidelity_length=32, fidelity_budgets=(),
+                      fidelity_families=(), fidelity_free_run=False, fidelity_extra=_oracle_variants((512,)))
+
+
 def named_configs() -> dict:
     return {"tiny": tiny, "full": full, "gpu-short": gpu_short, "fidelity-3k": fidelity_3k,
             "profiles-3k": profiles_3k, "sinks-3k": sinks_3k, "recency-8k": recency_8k,
             "free-8k": free_8k, "pages8-tasks": pages8_tasks, "oracle-16k": oracle_16k,
-            "oracle-16k-pages8": oracle_16k_pages8, "oracle-cpu": oracle_cpu}
+            "oracle-16k-pages8": oracle_16k_pages8, "oracle-cpu": oracle_cpu,
+            "oracle-qwen-cpu": oracle_qwen_cpu}
