@@ -222,7 +222,8 @@ def oracle_qwen_cpu() -> EvalConfig:
     """The oracle question on Qwen2.5-Coder-0.5B itself (7 query heads per KV head), CPU-sized: 2 documents of
     8,192 prompt tokens + 32 dense tokens, teacher-forced, budget 512 (1/16 of the context): Quest-like, FlexiCache
     (paper; *random* 25 % profile, no measured Qwen profile exists yet), oracle, quest-ref, and FlexiCache / the
-    oracle with a sink page + 4 recent pages.  ~25 min on 2 cores; the GPU grid ``oracle-16k`` is the measurement."""
+    oracle with a sink page + 4 recent pages.  Slow on a CPU: it did not finish within 45 min on 2 cores (14 prefills
+    of 8k tokens); the GPU grid ``oracle-16k`` is the measurement."""
     return EvalConfig(name="oracle-qwen-cpu", model="qwen2.5-coder-0.5b", tasks=(), reach_lengths=(),
                       fidelity_docs=2, fidelity_prompt=8192, fidelity_length=32, fidelity_budgets=(),
                       fidelity_families=(), fidelity_free_run=False, fidelity_extra=_oracle_variants((512,)))
