@@ -149,12 +149,17 @@ _ALIASES = {"smollm2-135m-instruct": DEFAULT_MODEL, "qwen2.5-coder-0.5b-instruct
 MODEL_NAMES = tuple(_RESOLVERS)
 
 
-def model_gguf_path(name: str = DEFAULT_MODEL, path: str | os.PathLike | None = None) -> Path:
-    """The GGUF file of the model ``name`` (one of MODEL_NAMES, case-insensitive; "-instruct" optional)."""
+def canonical_name(name: str) -> str:
+    """``name`` as one of MODEL_NAMES (case-insensitive; "-instruct" optional); unknown names are refused."""
     key = _ALIASES.get(name.lower(), name.lower())
     if key not in _RESOLVERS:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(MODEL_NAMES)}")
-    return _RESOLVERS[key](path)
+    return key
+
+
+def model_gguf_path(name: str = DEFAULT_MODEL, path: str | os.PathLike | None = None) -> Path:
+    """The GGUF file of the model ``name`` (see :func:`canonical_name`)."""
+    return _RESOLVERS[canonical_name(name)](path)
 
 
 def load_tokenizer(name: str = DEFAULT_MODEL, *, gguf_path: str | os.PathLike | None = None):

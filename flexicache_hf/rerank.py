@@ -34,6 +34,19 @@ class SelectionObserver:
         raise NotImplementedError
 
 
+def force_pages(scores: torch.Tensor, num_pages, sink_pages: int, recent_pages: int) -> torch.Tensor:
+    """``scores [..., P]`` with the first ``sink_pages`` pages and the ``recent_pages`` pages before the newest of
+    ``num_pages`` existing ones (an int or a device scalar) raised to +inf: forced pages outrank every bound; empty
+    pages stay -inf."""
+    if not (sink_pages or recent_pages):
+        return scores
+    p = torch.arange(scores.shape[-1], device=scores.device)
+    forced = p < sink_pages
+    if recent_pages:
+        forced = forced | ((p >= num_pages - 1 - recent_pages) & (p < num_pages))
+    return torch.where(forced & (scores > float("-inf")), float("inf"), scores)
+
+
 class Reranker:
     """Selection state of one layer: each head's current top-K pages, and the rule of what is scored / attended.
 
@@ -77,12 +90,7 @@ class Reranker:
         on heads not due)."""
         active = ~self.is_stable | due
         scores = ops.page_scores(query, kmin, kmax, self.all_heads, num_pages, active)
-        if self.sink_pages or self.recent_pages:  # forced pages outrank every bound (empty pages stay -inf)
-            p = torch.arange(scores.shape[-1], device=scores.device)
-            forced = p < self.sink_pages
-            if self.recent_pages:
-                forced = forced | ((p >= num_pages - 1 - self.recent_pages) & (p < num_pages))
-            scores = torch.where(forced & (scores > float("-inf")), float("inf"), scores)
+        scores = force_pages(scores, num_pages, self.sink_pages, self.recent_pages)
         ops.select_pages(scores, self.budget_pages, num_pages=num_pages, active=active, out=self.selected)
         self.reranks.add_(active)
         return scores

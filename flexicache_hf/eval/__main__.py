@@ -44,11 +44,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="FlexiCache's PyTorch reference kernels instead of the device ones")
     args = ap.parse_args(argv)
 
-    from ..models import load_model
+    from ..models import canonical_name, load_model
 
     cfg = only(named_configs()[args.config](), args.part)
     name = args.model or cfg.model
-    key = name.lower().removesuffix("-instruct")  # load_model's names, "-instruct" optional
+    key = canonical_name(name)
     torch.manual_seed(cfg.seed)
     model, tok = load_model(name, gguf_path=args.gguf, dtype=getattr(torch, args.dtype), device=args.device)
     results = runner.run(model, tok, cfg, profile_name=PROFILES.get(key), corpus=args.corpus,

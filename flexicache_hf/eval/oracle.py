@@ -41,12 +41,10 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from ..config import FlexiCacheConfig
 from ..kernels import reference
+from ..pages import num_pages
+from ..rerank import force_pages
 
 RANKS = ("mass", "bound")
-
-
-def num_pages(length: int, page_size: int) -> int:
-    return -(-length // page_size)
 
 
 def page_mass(query: torch.Tensor, keys: torch.Tensor, page_size: int, scale: float) -> torch.Tensor:
@@ -66,14 +64,13 @@ def page_mass(query: torch.Tensor, keys: torch.Tensor, page_size: int, scale: fl
 
 
 def page_minmax(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-page per-channel key min and max ``[B, H, P, D]`` (float32): the MinMax cache, from the exact keys."""
+    """Per-page per-channel key min and max ``[B, H, P, D]`` (float32): the MinMax cache, from the exact keys
+    (the reference kernel's fold into an empty cache)."""
     B, H, L, D = keys.shape
     P = num_pages(L, page_size)
-    k = keys.float()
-    big = torch.finfo(torch.float32).max
-    pad = P * page_size - L
-    lo = torch.nn.functional.pad(k, (0, 0, 0, pad), value=big).reshape(B, H, P, page_size, D).amin(3)
-    hi = torch.nn.functional.pad(k, (0, 0, 0, pad), value=-big).reshape(B, H, P, page_size, D).amax(3)
+    lo = torch.full((B, H, P, D), float("inf"), device=keys.device)
+    hi = torch.full((B, H, P, D), float("-inf"), device=keys.device)
+    reference.minmax_update(lo, hi, keys.float(), 0, torch.zeros(B, dtype=torch.long, device=keys.device), page_size)
     return lo, hi
 
 
@@ -85,26 +82,14 @@ def page_bound(query: torch.Tensor, keys: torch.Tensor, page_size: int) -> torch
     return reference.page_scores(query, lo, hi, heads, lo.shape[2])
 
 
-def force_pages(scores: torch.Tensor, sink_pages: int = 0, recent_pages: int = 0) -> torch.Tensor:
-    """``scores [B, H, P]`` with the first ``sink_pages`` and the newest ``recent_pages`` pages (beside the one
-    being appended to) raised to +inf — :meth:`~flexicache_hf.rerank.Reranker.rerank`'s rule, all P pages
-    existing."""
-    if not (sink_pages or recent_pages):
-        return scores
-    P = scores.shape[-1]
-    p = torch.arange(P, device=scores.device)
-    forced = (p < sink_pages) | ((p >= P - 1 - recent_pages) if recent_pages else torch.zeros_like(p, dtype=torch.bool))
-    return torch.where(forced & (scores > float("-inf")), float("inf"), scores)
-
-
 def select(scores: torch.Tensor, budget_pages: int, sink_pages: int = 0, recent_pages: int = 0) -> torch.Tensor:
     """The pages a head attends: ``[B, H, min(K, P)]`` int64, ascending, the newest page (``P - 1``) always in.
 
-    FlexiCache's rule on any ranking: forced pages (:func:`force_pages`), then the top-K of
+    FlexiCache's rule on any ranking: forced pages (:func:`~flexicache_hf.rerank.force_pages`), then the top-K of
     :func:`~flexicache_hf.kernels.reference.select_pages`.  With ``P <= K`` every page is selected.
     """
     P = scores.shape[-1]
-    pages = reference.select_pages(force_pages(scores, sink_pages, recent_pages), budget_pages)
+    pages = reference.select_pages(force_pages(scores, P, sink_pages, recent_pages), budget_pages)
     return pages[..., : min(budget_pages, P)]
 
 
