@@ -208,7 +208,7 @@ class FlexiCacheLayer(CacheLayerMixin):
                              cfg.host_memory_limit, _HostBytesOf(self.owner), self.copies, self.ops)
         self.slots = SlotTable(self.pool, self.device)
         self.reranker = Reranker(B, H, unstable, cfg.budget_pages, cfg.max_recent_pages, self.device,
-                                 cfg.sink_pages, cfg.recent_pages)
+                                 cfg.sink_pages, cfg.recent_pages, cfg.group_score)
         self.state = self.owner.decode_state(self.device)  # shared by every layer on this device (the schedule)
         self.states = self.owner.states  # every device's (layer 0 advances them all; a dict: no reference cycle)
         self.count_pages = self.owner.count_pages
@@ -460,7 +460,7 @@ class FlexiCacheLayer(CacheLayerMixin):
         """
         st, rr = self.state, self.reranker
         if rr.num_stable < self.num_kv_heads or plan.may(plan.stable_due):  # some head is due
-            scores = rr.rerank(self.ops, q, self.kmin, self.kmax, st.num_pages, st.due)
+            scores = rr.rerank(self.ops, q, self.kmin, self.kmax, st.num_pages, st.due, scaling)
             observer = self.owner.observer if plan is not GRAPH_PLAN else None
             if observer is not None:
                 heads, n = rr.scored_heads(plan.stable_due), plan.num_pages

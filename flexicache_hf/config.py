@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+GROUP_SCORES = ("max", "mass")  # FlexiCacheConfig.group_score; the page-score kernels take the same names
+
+
 class ConfigError(ValueError):
     """A FlexiCacheConfig value that cannot work."""
 
@@ -30,6 +33,10 @@ class FlexiCacheConfig:
         sink_pages: the first pages (attention sinks) every re-rank keeps, inside the budget.  0 = the paper.
         recent_pages: the newest pages every re-rank keeps, inside the budget (the page being appended to is
             always kept).  0 = the paper.  Small models lean on local context that the min/max bound can miss.
+        group_score: how a KV head's query heads (GQA group) turn their per-page bounds into the one score its
+            pages are ranked by.  ``"max"`` (the paper, Quest): the group's largest bound.  ``"mass"``: each query
+            head's bounds as an estimated attention distribution over pages (softmax of the scaled bound), summed
+            over the group — the quantity an oracle selection maximises.
     """
 
     page_size: int = 16
@@ -39,6 +46,7 @@ class FlexiCacheConfig:
     host_memory_limit: int | None = None
     sink_pages: int = 0
     recent_pages: int = 0
+    group_score: str = "max"
 
     def __post_init__(self) -> None:
         ps = self.page_size
@@ -63,6 +71,8 @@ class FlexiCacheConfig:
                 f"sink_pages + recent_pages ({self.sink_pages} + {self.recent_pages}) must leave room in the budget "
                 f"of {tb // ps} pages for pages chosen by score"
             )
+        if self.group_score not in GROUP_SCORES:
+            raise ConfigError(f"group_score must be one of {GROUP_SCORES}, got {self.group_score!r}")
         cap = self.host_memory_limit
         if cap is not None and (not _is_int(cap) or cap < 0):
             raise ConfigError(f"host_memory_limit must be None or a non-negative number of bytes, got {cap!r}")

@@ -147,6 +147,8 @@ def qwen_gguf_path(path: str | os.PathLike | None = None) -> Path:
 _RESOLVERS = {DEFAULT_MODEL: default_gguf_path, QWEN_MODEL: qwen_gguf_path}
 _ALIASES = {"smollm2-135m-instruct": DEFAULT_MODEL, "qwen2.5-coder-0.5b-instruct": QWEN_MODEL}
 MODEL_NAMES = tuple(_RESOLVERS)
+# The hub name of each model, recorded in its profile; a profile ships as profiles/<its last part>.json.
+HUB_NAMES = {DEFAULT_MODEL: "HuggingFaceTB/SmolLM2-135M-Instruct", QWEN_MODEL: "Qwen/Qwen2.5-Coder-0.5B-Instruct"}
 
 
 def canonical_name(name: str) -> str:

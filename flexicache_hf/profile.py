@@ -20,12 +20,12 @@ import sys
 import time
 from pathlib import Path
 
-# The embedded default model's hub name, recorded in its profile (the weights come from a GGUF file).
-_SMOLLM2_NAMES = ("smollm2", "default")
-_SMOLLM2_HUB_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+# Short names of the embedded default model; other names flexicache_hf.models loads are taken as they are.
+_SHORT_NAMES = {"smollm2": "smollm2-135m", "default": "smollm2-135m"}
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .models import HUB_NAMES
     from .stability.profiler import profile_model
     from .stability.tasks import default_tasks
 
@@ -39,10 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", default="smollm2",
                    help="a local HF model directory or cached hub name (loaded with local_files_only=True), "
-                        "or 'smollm2'/'default' for the embedded SmolLM2-135M-Instruct GGUF")
+                        "'smollm2'/'default' for the embedded SmolLM2-135M-Instruct GGUF, or a name "
+                        f"flexicache_hf.models loads ({', '.join(HUB_NAMES)})")
     p.add_argument("--gguf", default=None,
-                   help="GGUF file: with --model smollm2 the file to load instead of the embedded one; "
-                        "with a model directory, the GGUF file inside it")
+                   help="GGUF file: with a model name (smollm2, qwen2.5-coder-0.5b) the file to load instead of "
+                        "the installed one; with a model directory, the GGUF file inside it")
     p.add_argument("--out", default=None, type=Path,
                    help="profile JSON to write; None: profiles/<model name>.json")
     p.add_argument("--figures", default=None, type=Path,
@@ -86,12 +87,13 @@ def _load(args):
     import flexicache_hf  # noqa: F401  registers attn_implementation="flexicache"
 
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if args.device == "cpu" else torch.bfloat16)
-    if args.model.lower() in _SMOLLM2_NAMES:
-        from .models import default_gguf_path, load_default_model
+    key = _named_model(args.model)
+    if key is not None:
+        from .models import HUB_NAMES, load_model, model_gguf_path
 
-        path = default_gguf_path(args.gguf)
-        model, tok = load_default_model(gguf_path=path, dtype=dtype, device=args.device)
-        return model, tok, _SMOLLM2_HUB_NAME, f"GGUF {path.name} (de-quantised to {args.dtype or str(dtype)[6:]})"
+        path = model_gguf_path(key, args.gguf)
+        model, tok = load_model(key, gguf_path=path, dtype=dtype, device=args.device)
+        return model, tok, HUB_NAMES[key], f"GGUF {path.name} (de-quantised to {args.dtype or str(dtype)[6:]})"
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     extra = {"gguf_file": args.gguf} if args.gguf else {}
@@ -101,6 +103,17 @@ def _load(args):
     name = getattr(model.config, "name_or_path", None) or args.model
     weights = f"{args.model}" + (f" GGUF {args.gguf}" if args.gguf else "") + f" ({str(dtype)[6:]})"
     return model.to(args.device).eval(), tok, name, weights
+
+
+def _named_model(name: str) -> str | None:
+    """The flexicache_hf.models name of ``name`` when it is one (short names included), else None (a path)."""
+    from .models import canonical_name
+
+    name = _SHORT_NAMES.get(name.lower(), name)
+    try:
+        return canonical_name(name)
+    except ValueError:
+        return None
 
 
 def _stem(name: str) -> str:

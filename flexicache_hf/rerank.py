@@ -56,8 +56,10 @@ class Reranker:
     """
 
     def __init__(self, batch: int, num_kv_heads: int, unstable: tuple[int, ...], budget_pages: int,
-                 max_recent: int, device: torch.device, sink_pages: int = 0, recent_pages: int = 0):
+                 max_recent: int, device: torch.device, sink_pages: int = 0, recent_pages: int = 0,
+                 group_score: str = "max"):
         self.budget_pages, self.max_recent = budget_pages, max_recent
+        self.group_score = group_score
         self.sink_pages, self.recent_pages = sink_pages, recent_pages
         self.unstable_host = tuple(unstable)
         self.num_stable = num_kv_heads - len(unstable)
@@ -84,12 +86,12 @@ class Reranker:
         return self.all_heads[list(self.unstable_host)]
 
     def rerank(self, ops: KernelOps, query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
-               num_pages: torch.Tensor, due: torch.Tensor) -> torch.Tensor:
+               num_pages: torch.Tensor, due: torch.Tensor, scale: float | None = None) -> torch.Tensor:
         """Score the heads due now (unstable heads always; stable ones where ``due``) with the MinMax cache and
         store their top-K in ``selected``; returns the scores ``[B, H, P_cap]`` (-inf past ``num_pages`` and
-        on heads not due)."""
+        on heads not due); ``scale`` is the attention's softmax scale (``group_score="mass"``)."""
         active = ~self.is_stable | due
-        scores = ops.page_scores(query, kmin, kmax, self.all_heads, num_pages, active)
+        scores = ops.page_scores(query, kmin, kmax, self.all_heads, num_pages, active, self.group_score, scale)
         scores = force_pages(scores, num_pages, self.sink_pages, self.recent_pages)
         ops.select_pages(scores, self.budget_pages, num_pages=num_pages, active=active, out=self.selected)
         self.reranks.add_(active)

@@ -71,6 +71,24 @@ def test_compiled_decode_equals_eager_in_one_graph(setup, offload):
     assert cache.get_seq_length() == 37 + 39 and cache.memory_report()["tokens"] == 76
 
 
+def test_compiled_decode_with_group_mass_equals_eager(setup):
+    """group_score="mass" (a softmax per query head, summed over the group) inside the compiled step: the same
+    tokens as eagerly, and a selection of its own (not the group maximum's)."""
+    cfg, fc, _, ids, mask = setup
+    prof = HeadProfile.from_unstable(cfg, [(0, 1)])
+    make = lambda gs: FlexiCache(prof, page_size=4, token_budget=12, rerank_interval=5,  # noqa: E731
+                                 group_score=gs, max_cache_len=37 + 24)
+    eager_cache = make("mass")
+    eager = run(fc, ids, mask, eager_cache, 24, compiled=False)
+    cache = make("mass")
+    assert torch.equal(run(fc, ids, mask, cache, 24, compiled=True), eager)
+    assert cache.stats == eager_cache.stats
+    by_max = make("max")
+    run(fc, ids, mask, by_max, 24, compiled=False)
+    sel = lambda c: torch.stack([layer.reranker.selected for layer in c.layers])  # noqa: E731
+    assert not torch.equal(sel(by_max), sel(eager_cache))
+
+
 def test_compiled_full_budget_equals_dense(setup):
     cfg, fc, dense, ids, mask = setup
     cache = FlexiCache(HeadProfile.random(cfg, 0.5, seed=2), page_size=4, token_budget=128, rerank_interval=3,

@@ -173,10 +173,11 @@ else:
         assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
 
     # ---- page_scores -----------------------------------------------------------------------------------
-    @pytest.mark.parametrize("group", [1, 3, 4])
+    @pytest.mark.parametrize("group", [1, 3, 4, 7])
     @pytest.mark.parametrize("D", [64, 128])
     @pytest.mark.parametrize("dtype", DTYPES)
-    def test_page_scores(group, D, dtype):
+    @pytest.mark.parametrize("combine", ["max", "mass"])
+    def test_page_scores(group, D, dtype, combine):
         torch.manual_seed(3)
         B, H, ps, L = 2, 3, 16, 150
         cap = L // ps + 4
@@ -185,14 +186,15 @@ else:
         q = torch.randn(B, H * group, D).to(dtype)
         n = L // ps + 1
         for heads in (torch.tensor([2, 0]), torch.arange(H)):
-            ours = page_scores(q, kmin, kmax, heads, n)
-            ref = R.page_scores(q, kmin, kmax, heads, n)
+            ours = page_scores(q, kmin, kmax, heads, n, None, combine, 0.1)
+            ref = R.page_scores(q, kmin, kmax, heads, n, None, combine, 0.1)
             assert ours.dtype == torch.float32 and ours.shape == ref.shape
             assert torch.equal(torch.isneginf(ours), torch.isneginf(ref))  # padding-only pages: -inf
             fin = torch.isfinite(ref)
             torch.testing.assert_close(ours[fin], ref[fin], rtol=1e-5, atol=1e-4)
 
-    def test_page_scores_device_count_and_active_heads():
+    @pytest.mark.parametrize("combine", ["max", "mass"])
+    def test_page_scores_device_count_and_active_heads(combine):
         """The decode step's form: the page count read on the device, every head, only the due ones scored."""
         torch.manual_seed(4)
         B, H, ps, L, D = 2, 4, 16, 150, 64
@@ -202,8 +204,8 @@ else:
         q = torch.randn(B, H * 2, D).half()
         n = torch.tensor([L // ps + 1])
         active = torch.tensor([True, False, True, False])
-        ours = page_scores(q, kmin, kmax, torch.arange(H), n, active)
-        ref = R.page_scores(q, kmin, kmax, torch.arange(H), n, active)
+        ours = page_scores(q, kmin, kmax, torch.arange(H), n, active, combine)
+        ref = R.page_scores(q, kmin, kmax, torch.arange(H), n, active, combine)
         assert ours.shape == ref.shape == (B, H, cap)
         assert torch.equal(torch.isneginf(ours), torch.isneginf(ref))
         assert bool(torch.isneginf(ours[:, ~active]).all()) and bool(torch.isneginf(ours[:, :, int(n):]).all())

@@ -91,6 +91,53 @@ def test_ranking_by_mass_picks_the_page_holding_the_attention():
     assert k[0, 0].tolist() == [[2.0, 2.0], [2.0, 2.0], [0.0, 0.0]]
 
 
+def test_group_mass_lets_each_query_head_have_its_page():
+    """Two query heads of one KV head: head 0 has a large query and keys that are all alike to it (its attention
+    is spread evenly), head 1 a small query that points at page 2 alone.  The group's maximum bound follows head 0
+    whatever page 2 holds; ``group_score="mass"`` gives each head a distribution over pages and picks page 2."""
+    D, ps = 4, 2
+    q = torch.tensor([[[8.0, 0.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0]]])  # [1, 2, D]
+    page = lambda a, b: [[a, b, 0.0, 0.0], [a, b, 0.0, 0.0]]  # noqa: E731
+    keys = torch.tensor(page(1.0, 0.0) + page(1.05, 0.0) + page(1.0, 6.0) + page(1.02, 0.0) + [[0.0] * D])
+    keys = keys[None, None]  # [1, 1, 9, D]: pages 0-3 full, page 4 the newest token
+    scale = 1.0
+    mass = page_mass(q, keys, ps, scale)
+    top = mass[0, 0, :4].argmax().item()
+    assert top == 2  # the oracle: head 1's whole softmax sits on page 2
+    by_max = select(page_bound(q, keys, ps), 2)
+    by_mass = select(page_bound(q, keys, ps, "mass", scale), 2)
+    assert by_max.tolist() == [[[1, 4]]]  # head 0's largest bound (1.05 * 8) outvotes head 1
+    assert by_mass.tolist() == [[[2, 4]]]
+    s = page_bound(q, keys, ps, "mass", scale)
+    assert s.sum().item() == pytest.approx(2.0, abs=1e-5)  # one distribution per query head
+
+
+@pytest.mark.parametrize("group_score", ["max", "mass"])
+def test_quest_ref_matches_flexicache_quest_for_either_group_score(models, group_score):
+    """The Triton-free reference path and FlexiCache's own selection agree for both combines (and the two
+    combines do select differently on this model)."""
+    fc, _ = models
+    prompt = torch.randint(1, 96, (1, 120), generator=torch.Generator().manual_seed(1))
+    cont = torch.randint(1, 96, (1, 10), generator=torch.Generator().manual_seed(2))
+    profiles = ProfileSource(fc.config, None)
+    q = make_cache(Policy("quest", 3 * PS, group_score=group_score), fc.config, 120, profiles)
+    r = make_cache(Policy("quest-ref", 3 * PS, group_score=group_score), fc.config, 120, profiles)
+    torch.testing.assert_close(step_logits(fc, prompt, cont, r), step_logits(fc, prompt, cont, q),
+                               atol=1e-4, rtol=1e-4)
+    if group_score == "mass":
+        other = make_cache(Policy("quest-ref", 3 * PS), fc.config, 120, profiles)
+        step_logits(fc, prompt, cont, other)
+        assert not torch.equal(other.layers[1].last["pages"], r.layers[1].last["pages"]) or \
+            any(not torch.equal(a.last["pages"], b.last["pages"]) for a, b in zip(other.layers, r.layers))
+
+
+def test_group_score_applies_to_bound_families_only():
+    with pytest.raises(ValueError, match="group_score applies"):
+        Policy("oracle", 64, group_score="mass")
+    assert Policy("flexicache", 64, 16, 0.25, "measured", 1, 4, "mass").label == \
+        "flexicache-R16-u25-sink1-recent4-mass@64"
+
+
 # ---- (3) the oracle's pages hold at least the Quest-like selection's mass, step by step ---------------------
 class Recorder(SelectionObserver):
     def __init__(self):
@@ -193,11 +240,20 @@ def test_oracle_grids():
     labels = [p.label for p in cfg.fidelity_policies()]
     for b in (1024, 2048):
         for want in ("quest", "flexicache-R16-u25-random", "flexicache-R16-u25-random-sink1-recent4", "oracle",
-                     "oracle-sink1-recent4", "quest-ref"):
+                     "oracle-sink1-recent4", "quest-ref", "quest-mass", "quest-ref-mass",
+                     "flexicache-R16-u25-random-sink1-recent4-mass"):
             assert f"{want}@{b}" in labels
-    assert labels[0] == "dense" and len(labels) == len(set(labels)) == 13
+    assert labels[0] == "dense" and len(labels) == len(set(labels)) == 19
     assert {p.label for p in cfg.task_policies()} >= {"oracle@1024", "quest@2048", "flexicache-R16-u25@1024"}
     p8 = cfgs["oracle-16k-pages8"]()
     assert p8.page_size == 8 and p8.fidelity_policies() == cfg.fidelity_policies()
     with pytest.raises(ValueError, match="sink_pages"):
         Policy("streaming", 256, sink_pages=1)
+    for name, length, budgets in (("qwen-8k", 8192, (512, 1024, 2048)), ("qwen-16k", 16384, (1024, 2048)),
+                                  ("qwen-32k", 32768, (2048, 4096))):
+        c = cfgs[name]()
+        assert c.model == "qwen2.5-coder-0.5b" and c.fidelity_prompt == length and c.task_length < length
+        labels = {p.label for p in c.task_policies()}
+        for b in budgets:
+            assert {f"{f}@{b}" for f in ("quest", "streaming", "snapkv", "lserve-R16", "flexicache-R16-u25",
+                                          "flexicache-R16-u25-random")} <= labels

@@ -15,10 +15,11 @@ import flexicache_hf  # noqa: F401  (registers attn_implementation="flexicache")
 from . import report, runner
 from .grids import PARTS, named_configs, only
 
-PROFILE_NAME = "SmolLM2-135M-Instruct"
-# Shipped measured profile per model name (flexicache_hf.models); a model without one gets a random profile.
-PROFILES = {"smollm2-135m": PROFILE_NAME}
-TITLES = {"smollm2-135m": "SmolLM2-135M-Instruct", "qwen2.5-coder-0.5b": "Qwen2.5-Coder-0.5B-Instruct"}
+from ..models import HUB_NAMES
+
+# Per model name (flexicache_hf.models): its title and shipped profile's name (profiles/<title>.json); a model
+# whose profile is not shipped gets a random one (ProfileSource).
+TITLES = {key: hub.rsplit("/", 1)[-1] for key, hub in HUB_NAMES.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     key = canonical_name(name)
     torch.manual_seed(cfg.seed)
     model, tok = load_model(name, gguf_path=args.gguf, dtype=getattr(torch, args.dtype), device=args.device)
-    results = runner.run(model, tok, cfg, profile_name=PROFILES.get(key), corpus=args.corpus,
+    results = runner.run(model, tok, cfg, profile_name=TITLES.get(key), corpus=args.corpus,
                          progress=not args.no_progress,
                          max_seconds=None if args.max_minutes is None else 60 * args.max_minutes,
                          kernels=args.kernels)

@@ -166,13 +166,57 @@ def _oracle_variants(budgets: tuple[int, ...]) -> tuple[Policy, ...]:
     """Per budget (budget-major, so a time limit drops whole budgets): Quest-like, FlexiCache as in the paper and
     with a sink page + 4 recent pages (a *random* profile of 25 % unstable heads), the oracle without and with the
     same forced pages, and the Quest-like selection through the oracle's reference path (same NLL as quest, plus
-    the attention mass its pages keep)."""
+    the attention mass its pages keep); then the same bound with ``group_score="mass"`` (each query head's bounds
+    as a softmax over pages, summed over the group): Quest-like, quest-ref and FlexiCache + sink / recent."""
     out: list[Policy] = []
     for b in budgets:
         out += [Policy("quest", b), Policy("flexicache", b, 16, 0.25, "random"),
                 Policy("flexicache", b, 16, 0.25, "random", 1, 4), Policy("oracle", b),
-                Policy("oracle", b, sink_pages=1, recent_pages=4), Policy("quest-ref", b)]
+                Policy("oracle", b, sink_pages=1, recent_pages=4), Policy("quest-ref", b),
+                Policy("quest", b, group_score="mass"), Policy("quest-ref", b, group_score="mass"),
+                Policy("flexicache", b, 16, 0.25, "random", 1, 4, "mass")]
     return tuple(out)
+
+
+def _qwen_long(length: int, budgets: tuple[int, ...], samples: int) -> EvalConfig:
+    """Issue 14's harness on Qwen2.5-Coder-0.5B at one context ``length`` (GPU-sized; ``--part tasks`` /
+    ``--part fidelity`` as separate commands).
+
+    Tasks: niah_single / niah_multikey at ~``length`` tokens, ``samples`` each, at token ``budgets``: FlexiCache
+    (the *measured* profile when ``profiles/Qwen2.5-Coder-0.5B-Instruct.json`` exists, else the random fallback
+    named in the report), Quest-like, StreamingLLM, SnapKV-style, LServe-like; per budget also FlexiCache with
+    a random profile of the same size (the control), and FlexiCache / Quest-like with a sink page, 4 recent pages
+    and ``group_score="mass"``.  Fidelity: 8 documents of ``length`` prompt tokens + 256 dense tokens,
+    teacher-forced, the same policies.
+    """
+    extra: list[Policy] = []
+    for b in budgets:
+        extra += [Policy("flexicache", b, 16, 0.25, "random"), Policy("flexicache", b, 16, 0.25, "measured", 1, 4),
+                  Policy("flexicache", b, 16, 0.25, "measured", 1, 4, "mass"),
+                  Policy("quest", b, sink_pages=1, recent_pages=4, group_score="mass")]
+    return EvalConfig(name=f"qwen-{length // 1000}k", model="qwen2.5-coder-0.5b",
+                      tasks=("niah_single", "niah_multikey"), task_length=length - 200, samples=samples,
+                      budgets=budgets, families=("flexicache", "quest", "streaming", "snapkv", "lserve"),
+                      rerank_intervals=(), unstable_fractions=(), reach_lengths=(), task_extra=tuple(extra),
+                      fidelity_docs=8, fidelity_prompt=length, fidelity_length=256, fidelity_budgets=budgets,
+                      fidelity_families=("flexicache", "quest", "streaming", "snapkv", "lserve"),
+                      fidelity_free_run=False, fidelity_extra=tuple(extra))
+
+
+def qwen_8k() -> EvalConfig:
+    """:func:`_qwen_long` at 8k: budgets 512 (1/16), 1024 (1/8), 2048."""
+    return _qwen_long(8192, (512, 1024, 2048), 4)
+
+
+def qwen_16k() -> EvalConfig:
+    """:func:`_qwen_long` at 16k: budgets 1024 (1/16) and 2048 (1/8)."""
+    return _qwen_long(16384, (1024, 2048), 4)
+
+
+def qwen_32k() -> EvalConfig:
+    """:func:`_qwen_long` at 32k (the model's whole context): budgets 2048 (1/16) and 4096 (1/8), 3 samples a
+    task."""
+    return _qwen_long(32768, (2048, 4096), 3)
 
 
 def oracle_16k() -> EvalConfig:
@@ -234,4 +278,4 @@ def named_configs() -> dict:
             "profiles-3k": profiles_3k, "sinks-3k": sinks_3k, "recency-8k": recency_8k,
             "free-8k": free_8k, "pages8-tasks": pages8_tasks, "oracle-16k": oracle_16k,
             "oracle-16k-pages8": oracle_16k_pages8, "oracle-cpu": oracle_cpu,
-            "oracle-qwen-cpu": oracle_qwen_cpu}
+            "oracle-qwen-cpu": oracle_qwen_cpu, "qwen-8k": qwen_8k, "qwen-16k": qwen_16k, "qwen-32k": qwen_32k}

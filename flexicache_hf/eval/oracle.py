@@ -23,7 +23,7 @@ the selected pages' keys and values, gathered per (row, KV head).  Every head at
 an offset that puts every attended key before the query, so the causal mask hides nothing of it.
 
 ``rank="bound"`` ranks by Quest's bound instead (the same formula as FlexiCache's page scores, on each page's
-exact key min/max): the Quest-like selection through this reference path — a cross-check of the plumbing
+exact key min/max, combined over the group as the config's ``group_score`` says): the Quest-like selection through this reference path — a cross-check of the plumbing
 against :class:`~flexicache_hf.FlexiCache` and a way to measure how much attention mass the bound's selection
 keeps (``row_stats``).  Both ranks record, per row, the fraction of the exact attention mass that falls on the
 attended pages.
@@ -74,12 +74,13 @@ def page_minmax(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch
     return lo, hi
 
 
-def page_bound(query: torch.Tensor, keys: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Quest's upper bound per page ``[B, H, P]``, the group's maximum — FlexiCache's page scores (the reference
-    kernel) on the exact per-page key min/max."""
+def page_bound(query: torch.Tensor, keys: torch.Tensor, page_size: int, combine: str = "max",
+               scale: float | None = None) -> torch.Tensor:
+    """Quest's upper bound per page ``[B, H, P]``, combined over the group as ``combine`` says (the group's
+    maximum by default) — FlexiCache's page scores (the reference kernel) on the exact per-page key min/max."""
     lo, hi = page_minmax(keys, page_size)
     heads = torch.arange(keys.shape[1], device=keys.device)
-    return reference.page_scores(query, lo, hi, heads, lo.shape[2])
+    return reference.page_scores(query, lo, hi, heads, lo.shape[2], None, combine, scale)
 
 
 def select(scores: torch.Tensor, budget_pages: int, sink_pages: int = 0, recent_pages: int = 0) -> torch.Tensor:
@@ -144,7 +145,7 @@ class OracleLayer(DynamicLayer):
         L, ps = keys.shape[-2], self.config.page_size
         scale = self.scaling if self.scaling is not None else keys.shape[-1] ** -0.5
         mass = page_mass(q, keys, ps, scale)
-        scores = mass if self.rank == "mass" else page_bound(q, keys, ps)
+        scores = mass if self.rank == "mass" else page_bound(q, keys, ps, self.config.group_score, scale)
         pages = select(scores, self.config.budget_pages, self.config.sink_pages, self.config.recent_pages)
         self._record(pages, scores, mass, group=q.shape[1] // keys.shape[1])
         idx = gather_index(pages, L, ps)[..., None].expand(-1, -1, -1, keys.shape[-1])

@@ -26,6 +26,8 @@ from .oracle import oracle_cache
 FAMILIES = ("dense", "flexicache", "quest", "streaming", "snapkv", "lserve", "oracle", "quest-ref")
 # Families that take FlexiCache's page selection rules (page size, sink and recent pages).
 PAGED_FAMILIES = ("flexicache", "quest", "oracle", "quest-ref")
+# Families that rank pages by the min/max bound (and so take a group_score).
+BOUND_FAMILIES = ("flexicache", "quest", "quest-ref")
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,7 @@ class Policy:
     profile: str = "measured"  # FlexiCache only: "measured" (the model's profile) or "random" (a control)
     sink_pages: int = 0  # PAGED_FAMILIES only: first pages kept by every re-rank
     recent_pages: int = 0  # PAGED_FAMILIES only: newest pages kept by every re-rank
+    group_score: str = "max"  # BOUND_FAMILIES only: FlexiCacheConfig.group_score (how a GQA group ranks pages)
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -49,6 +52,8 @@ class Policy:
             raise ValueError(f"profile must be 'measured' or 'random', got {self.profile!r}")
         if (self.sink_pages or self.recent_pages) and self.family not in PAGED_FAMILIES:
             raise ValueError(f"sink_pages / recent_pages apply to {PAGED_FAMILIES} only, not {self.family!r}")
+        if self.group_score != "max" and self.family not in BOUND_FAMILIES:
+            raise ValueError(f"group_score applies to {BOUND_FAMILIES} only, not {self.family!r}")
 
     @property
     def label(self) -> str:
@@ -57,6 +62,7 @@ class Policy:
         b = self.budget
         budget = f"{b}" if isinstance(b, int) else f"1/{round(1 / b)}"
         forced = f"-sink{self.sink_pages}-recent{self.recent_pages}" if self.sink_pages or self.recent_pages else ""
+        forced += f"-{self.group_score}" if self.group_score != "max" else ""
         if self.family == "flexicache":
             tag = "-random" if self.profile == "random" else ""
             return f"flexicache-R{self.rerank_interval}-u{round(100 * self.unstable_fraction)}{tag}{forced}@{budget}"
@@ -129,11 +135,12 @@ def make_cache(policy: Policy, model_config, context: int, profiles: ProfileSour
         # Quest: every head re-ranked every step and every page kept on the device.
         prof = HeadProfile.all_unstable(model_config) if quest else profiles.profile(policy.unstable_fraction, policy.profile)
         cfg = FlexiCacheConfig(page_size=page_size, token_budget=budget, rerank_interval=policy.rerank_interval,
-                               offload=not quest, sink_pages=policy.sink_pages, recent_pages=policy.recent_pages)
+                               offload=not quest, sink_pages=policy.sink_pages, recent_pages=policy.recent_pages,
+                               group_score=policy.group_score)
         return FlexiCache(prof, cfg, model_config=model_config, kernels=kernels)
     if policy.family in ("oracle", "quest-ref"):
         cfg = FlexiCacheConfig(page_size=page_size, token_budget=budget, sink_pages=policy.sink_pages,
-                               recent_pages=policy.recent_pages)
+                               recent_pages=policy.recent_pages, group_score=policy.group_score)
         return oracle_cache(layers, cfg, rank="mass" if policy.family == "oracle" else "bound")
     if policy.family == "streaming":
         return streaming_cache(layers, budget)

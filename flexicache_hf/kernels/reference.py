@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from ..config import GROUP_SCORES
+
 NEG_INF = float("-inf")
 
 
@@ -78,6 +80,26 @@ def append_token(
     kmax.scatter_(2, idx, torch.maximum(kmax.gather(2, idx), k))
 
 
+# How a KV head's query-head group turns its bounds into one page score (FlexiCacheConfig.group_score).
+GROUP_COMBINES = GROUP_SCORES
+
+
+def group_mass(bounds: torch.Tensor, scale: float) -> torch.Tensor:
+    """``bounds [B, h, G, P]`` (per query head; -inf = not scorable) -> ``[B, h, P]``: each query head's bounds
+    as an estimated attention distribution over the pages (``softmax_p(scale * bound)``), summed over the group.
+
+    The oracle's objective is the group's summed attention mass per page; a softmax per query head puts every
+    head on the same footing (each contributes a distribution summing to 1), where the raw maximum lets the head
+    with the largest query norm decide the ranking for the whole group.  Rows with nothing scorable stay -inf.
+    """
+    s = bounds * scale
+    top = s.amax(-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    e = torch.exp(s - top)  # -inf -> 0
+    mass = (e / e.sum(-1, keepdim=True).clamp_min(torch.finfo(e.dtype).tiny)).sum(2)
+    return mass.masked_fill(~torch.isfinite(bounds).any(2), NEG_INF)
+
+
 def page_scores(
     query: torch.Tensor,  # [B, Hq, D] the decode step's queries
     kmin: torch.Tensor,  # [B, H, P_cap, D]
@@ -85,17 +107,23 @@ def page_scores(
     heads: torch.Tensor,  # [h] int64 KV heads to score
     num_pages: int | torch.Tensor,  # pages that exist: an int, or a [1] int64 tensor (read on the device)
     active: torch.Tensor | None = None,  # [h] bool: heads scored now (None: all); inactive rows are -inf
+    combine: str = "max",  # GROUP_COMBINES: how the group's query heads make one score
+    scale: float | None = None,  # the attention's softmax scale ("mass"; None: D ** -0.5)
 ) -> torch.Tensor:  # [B, h, num_pages] float32 for an int count, [B, h, P_cap] (-inf past the count) for a tensor
-    """Quest's upper bound ``sum_i max(q_i * kmin_i, q_i * kmax_i)`` per page, for the given KV heads.
+    """Quest's upper bound ``sum_i max(q_i * kmin_i, q_i * kmax_i)`` per page and query head, for the given KV
+    heads, combined over each KV head's group of query heads.
 
-    GQA: every query head of a KV head's group bounds the page on its own and the group keeps the
-    **maximum** bound, so a page any query head may need strongly is ranked high (a sum or mean would let
-    the other heads of the group outvote it).  Pages without a valid token score ``-inf``.
+    ``combine="max"`` (the paper's, Quest's): every query head bounds the page on its own and the group keeps
+    the **maximum** bound, so a page any query head may need strongly is ranked high (a sum or mean would let
+    the other heads of the group outvote it).  ``combine="mass"``: :func:`group_mass` of the bounds.  Pages
+    without a valid token score ``-inf``.
     """
+    if combine not in GROUP_COMBINES:
+        raise ValueError(f"combine must be one of {GROUP_COMBINES}, got {combine!r}")
     if isinstance(num_pages, torch.Tensor):  # the device count: a row as wide as the cache, -inf past it
         n = int(num_pages.reshape(-1)[0])
         out = torch.full((query.shape[0], heads.numel(), kmin.shape[2]), NEG_INF, device=query.device)
-        out[:, :, :n] = page_scores(query, kmin, kmax, heads, n, active)
+        out[:, :, :n] = page_scores(query, kmin, kmax, heads, n, active, combine, scale)
         return out
     B, Hq, D = query.shape
     H = kmin.shape[1]
@@ -108,7 +136,10 @@ def page_scores(
     hi = torch.where(empty[..., None], 0.0, hi)
     qe = q[:, :, :, None, :]  # [B, h, G, 1, D]
     bound = torch.maximum(qe * lo[:, :, None], qe * hi[:, :, None]).sum(-1)  # [B, h, G, P]
-    score = bound.amax(2).masked_fill(empty, NEG_INF)
+    if combine == "max":
+        score = bound.amax(2).masked_fill(empty, NEG_INF)
+    else:
+        score = group_mass(bound.masked_fill(empty[:, :, None], NEG_INF), D ** -0.5 if scale is None else scale)
     if active is not None:
         score = score.masked_fill(~active.to(score.device)[None, :, None], NEG_INF)
     return score

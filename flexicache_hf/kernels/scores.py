@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import reference
 from ._util import pow2
 
 
@@ -31,6 +32,7 @@ def _page_scores_kernel(
     s_qb, s_qh, s_qd,
     s_mb, s_mh, s_mp, s_md,
     GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_MAX: tl.constexpr,  # True: store the group's maximum [B, h, width]; False: every head's [B, h, G, width]
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_P: tl.constexpr,
@@ -63,9 +65,14 @@ def _page_scores_kernel(
         qp = tl.maximum(q, 0.0)
         qn = tl.minimum(q, 0.0)
         s = tl.sum(qp[None, :] * hi + qn[None, :] * lo, axis=1)  # [BLOCK_P] bound of query head g
-        best = tl.maximum(best, s)  # GQA: the group keeps its strongest head's bound
-    best = tl.where(p_ok & ~empty, best, float("-inf"))
-    tl.store(out_ptr + bj * width + p, best, mask=p < width)
+        if GROUP_MAX:
+            best = tl.maximum(best, s)  # GQA: the group keeps its strongest head's bound
+        else:
+            s = tl.where(p_ok & ~empty, s, float("-inf"))
+            tl.store(out_ptr + (bj * GROUP + g) * width + p, s, mask=p < width)
+    if GROUP_MAX:
+        best = tl.where(p_ok & ~empty, best, float("-inf"))
+        tl.store(out_ptr + bj * width + p, best, mask=p < width)
 
 
 def page_scores(
@@ -75,18 +82,25 @@ def page_scores(
     heads: torch.Tensor,  # [h] int64 KV heads to score
     num_pages: int | torch.Tensor,  # an int, or a [1] int64 device tensor (then the output spans P_cap)
     active: torch.Tensor | None = None,  # [h] bool: heads scored now (None: all)
+    combine: str = "max",  # reference.GROUP_COMBINES
+    scale: float | None = None,  # "mass": the attention's softmax scale (None: D ** -0.5)
     *,
     block_p: int | None = None,  # pages per program (benchmarks sweep it); None = 64 (32 for D > 128)
     num_warps: int | None = None,  # None = 8 for D >= 128, else 4
 ) -> torch.Tensor:  # [B, h, num_pages or P_cap] float32
-    """Same contract as :func:`reference.page_scores`."""
+    """Same contract as :func:`reference.page_scores`; ``combine="mass"`` stores every query head's bound and
+    combines them with the reference's :func:`~flexicache_hf.kernels.reference.group_mass`."""
+    if combine not in reference.GROUP_COMBINES:
+        raise ValueError(f"combine must be one of {reference.GROUP_COMBINES}, got {combine!r}")
     B, Hq, D = query.shape
     H = kmin.shape[1]
     n_sel = heads.numel()
     width = kmin.shape[2] if isinstance(num_pages, torch.Tensor) else num_pages
-    out = torch.empty((B, n_sel, width), dtype=torch.float32, device=query.device)
+    group_max = combine == "max"
+    shape = (B, n_sel, width) if group_max else (B, n_sel, Hq // H, width)
+    out = torch.empty(shape, dtype=torch.float32, device=query.device)
     if n_sel == 0 or width == 0 or B == 0:
-        return out
+        return out if group_max else out[:, :, 0]
     if not isinstance(num_pages, torch.Tensor):
         num_pages = torch.full((1,), num_pages, dtype=torch.long, device=query.device)
     if active is None:
@@ -102,6 +116,9 @@ def page_scores(
     _page_scores_kernel[grid](
         query, kmin, kmax, heads, active, num_pages, out, width, n_sel,
         *query.stride(), *kmin.stride(),
-        GROUP=Hq // H, D=D, BLOCK_D=pow2(D), BLOCK_P=block_p, num_warps=num_warps or (8 if D >= 128 else 4),
+        GROUP=Hq // H, GROUP_MAX=group_max, D=D, BLOCK_D=pow2(D), BLOCK_P=block_p,
+        num_warps=num_warps or (8 if D >= 128 else 4),
     )
-    return out
+    if group_max:
+        return out
+    return reference.group_mass(out, D ** -0.5 if scale is None else scale)

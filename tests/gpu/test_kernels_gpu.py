@@ -58,7 +58,7 @@ def top_lists(B, H, P, k, seed):
     return select_pages(scores, k)
 
 
-GEOMETRY = [(g, D) for g in (1, 3, 4, 8) for D in (64, 128)]
+GEOMETRY = [(g, D) for g in (1, 3, 4, 7, 8) for D in (64, 128)]  # 7 x 64: Qwen2.5-0.5B
 
 
 @pytest.mark.parametrize("group,D", GEOMETRY)
@@ -83,7 +83,7 @@ def test_sparse_decode_matches_reference(group, D, dtype, L, k):
 # (group, D, dtype, page size) is one more Triton compile on the device).
 FULL_CASES = (
     [(g, D, torch.float16, B, L, 16) for g, D in GEOMETRY for B, L in ((1, 4097), (5, 777))]
-    + [(g, D, dt, B, L, ps) for g, D in ((4, 128), (3, 64), (8, 64)) for dt in (torch.bfloat16, torch.float32)
+    + [(g, D, dt, B, L, ps) for g, D in ((4, 128), (3, 64), (8, 64), (7, 64)) for dt in (torch.bfloat16, torch.float32)
        for B, L, ps in ((1, 4097, 16), (2, 1000, 8))]
 )
 
@@ -103,14 +103,16 @@ def test_full_budget_equals_sdpa(group, D, dtype, B, L, ps):
     assert rel_err(out, want) < REL_TOL[dtype]
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_minmax_scores_select_match_reference(dtype):
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("H,group,D", [(8, 4, 128), (2, 7, 64)])  # Llama-3.1-8B, Qwen2.5-0.5B
+@pytest.mark.parametrize("combine", ["max", "mass"])
+def test_minmax_scores_select_match_reference(dtype, H, group, D, combine):
     from flexicache_hf.kernels import reference as R
     from flexicache_hf.kernels.gpu import GPU_OPS
     from flexicache_hf.kernels.select import select_pages_triton
 
     torch.manual_seed(0)
-    B, H, group, D, ps, T = 4, 8, 4, 128, 16, 10_000 - 5  # partly filled last page
+    B, ps, T = 4, 16, 10_000 - 5  # partly filled last page
     cap = T // ps + 8
     keys = torch.randn(B, T + 3, H, D, device=DEV, dtype=dtype).transpose(1, 2)  # non-contiguous like HF
     valid_lo = torch.tensor([0, 5, 16, 333], device=DEV)
@@ -123,12 +125,13 @@ def test_minmax_scores_select_match_reference(dtype):
     assert torch.equal(mm[0], ref[0]) and torch.equal(mm[1], ref[1])
     n = -(-(T + 3) // ps)
     q = torch.randn(B, H * group, D, device=DEV, dtype=dtype)
-    for heads in (torch.tensor([1, 6], device=DEV), torch.arange(H, device=DEV)):
-        s = GPU_OPS.page_scores(q, *mm, heads, n)
-        s_ref = R.page_scores(q, *ref, heads, n)
+    for heads in (torch.tensor([1, H - 2], device=DEV), torch.arange(H, device=DEV)):
+        s = GPU_OPS.page_scores(q, *mm, heads, n, None, combine, D ** -0.5)
+        s_ref = R.page_scores(q, *ref, heads, n, None, combine, D ** -0.5)
         assert torch.equal(torch.isneginf(s), torch.isneginf(s_ref))
         fin = torch.isfinite(s_ref)
-        torch.testing.assert_close(s[fin], s_ref[fin], rtol=1e-5, atol=1e-3)
+        tol = dict(rtol=1e-5, atol=1e-3) if combine == "max" else dict(rtol=1e-3, atol=1e-7)  # mass: ~1/P a page
+        torch.testing.assert_close(s[fin], s_ref[fin], **tol)
         for k in (64, 128, 1000):
             assert torch.equal(select_pages_triton(s_ref, k), R.select_pages(s_ref, k)), k
 
