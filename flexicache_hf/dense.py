@@ -18,10 +18,12 @@ def dense_attention(
     scaling: float,
     dropout: float = 0.0,
 ) -> torch.Tensor:  # [B, T, Hq, D]
-    """Exact causal attention of a chunk over its prefix and itself (torch SDPA, GQA native)."""
+    """Exact causal attention of a chunk over its prefix and itself (torch SDPA, GQA native where SDPA has a
+    kernel for it)."""
     B, Hq, T, D = query.shape
     L = keys.shape[2]
-    gqa = Hq != keys.shape[1]
+    flash = key_valid is None and T == L and query.dtype in (torch.float16, torch.bfloat16)
+    keys, values, gqa = _gqa_inputs(query, keys, values, flash)
     if key_valid is None and T == L:
         out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scaling, enable_gqa=gqa,
                                              dropout_p=dropout)
@@ -36,3 +38,16 @@ def dense_attention(
         out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask[:, None], scale=scaling,
                                              enable_gqa=gqa, dropout_p=dropout)
     return out.transpose(1, 2)
+
+
+def _gqa_inputs(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, flash: bool):
+    """``(keys, values, enable_gqa)`` for SDPA.  On CUDA only the flash kernel (causal, fp16 / bf16) takes grouped
+    KV heads; anything else (float32, a mask) would fall back to the math kernel, which materialises the whole
+    ``[B, Hq, T, L]`` score matrix (112 GiB for 8 x 16k float32 prompts).  There the KV heads are repeated per
+    query head instead (a copy the size of the chunk's keys), so the memory-efficient kernel runs."""
+    Hq, H = query.shape[1], keys.shape[1]
+    if Hq == H:
+        return keys, values, False
+    if flash or not query.is_cuda:
+        return keys, values, True
+    return keys.repeat_interleave(Hq // H, 1), values.repeat_interleave(Hq // H, 1), False
