@@ -273,9 +273,32 @@ def oracle_qwen_cpu() -> EvalConfig:
                       fidelity_families=(), fidelity_free_run=False, fidelity_extra=_oracle_variants((512,)))
 
 
+def select_16k() -> EvalConfig:
+    """Issue 14, after ``oracle-16k`` (the oracle at 1/16 stays within 4 % of dense NLL, Quest-like 53 % off: the
+    ranking is the limit): does the measured profile bring FlexiCache's R16 schedule to its every-step twin, and
+    does ``group_score="mass"`` carry over to FlexiCache?  8 documents of 16,384 prompt tokens + 256 dense tokens,
+    teacher-forced; at 1024 and 2048: FlexiCache (measured profile) with the group maximum and with the mass,
+    Quest-like with both; at 1024 also FlexiCache with a random profile and the mass (the control).  The most
+    wanted rows come first, so a time limit drops the others.  ``select-16k-pages8``: 8-token pages."""
+    out = (Policy("flexicache", 1024), Policy("flexicache", 1024, group_score="mass"),
+           Policy("quest", 1024, group_score="mass"), Policy("flexicache", 1024, 16, 0.25, "random", group_score="mass"),
+           Policy("flexicache", 2048, group_score="mass"), Policy("quest", 2048, group_score="mass"),
+           Policy("flexicache", 2048), Policy("quest", 2048), Policy("quest", 1024))  # most wanted first
+    return EvalConfig(name="select-16k", model="qwen2.5-coder-0.5b", tasks=(), reach_lengths=(), fidelity_docs=8,
+                      fidelity_prompt=16384, fidelity_length=256, fidelity_budgets=(), fidelity_families=(),
+                      fidelity_free_run=False, fidelity_extra=tuple(out))
+
+
+def select_16k_pages8() -> EvalConfig:
+    """:func:`select_16k` with 8-token pages, mass only (FlexiCache measured and Quest-like, 1024 then 2048)."""
+    out = tuple(Policy(f, b, group_score="mass") for b in (1024, 2048) for f in ("flexicache", "quest"))
+    return replace(select_16k(), name="select-16k-pages8", page_size=8, fidelity_extra=out)
+
+
 def named_configs() -> dict:
     return {"tiny": tiny, "full": full, "gpu-short": gpu_short, "fidelity-3k": fidelity_3k,
             "profiles-3k": profiles_3k, "sinks-3k": sinks_3k, "recency-8k": recency_8k,
             "free-8k": free_8k, "pages8-tasks": pages8_tasks, "oracle-16k": oracle_16k,
             "oracle-16k-pages8": oracle_16k_pages8, "oracle-cpu": oracle_cpu,
-            "oracle-qwen-cpu": oracle_qwen_cpu, "qwen-8k": qwen_8k, "qwen-16k": qwen_16k, "qwen-32k": qwen_32k}
+            "oracle-qwen-cpu": oracle_qwen_cpu, "qwen-8k": qwen_8k, "qwen-16k": qwen_16k, "qwen-32k": qwen_32k,
+            "select-16k": select_16k, "select-16k-pages8": select_16k_pages8}
