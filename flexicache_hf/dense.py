@@ -23,7 +23,7 @@ def dense_attention(
     B, Hq, T, D = query.shape
     L = keys.shape[2]
     flash = key_valid is None and T == L and query.dtype in (torch.float16, torch.bfloat16)
-    keys, values, gqa = _gqa_inputs(query, keys, values, flash)
+    keys, values, gqa = gqa_inputs(query, keys, values, flash, query.is_cuda)
     if key_valid is None and T == L:
         out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scaling, enable_gqa=gqa,
                                              dropout_p=dropout)
@@ -40,7 +40,7 @@ def dense_attention(
     return out.transpose(1, 2)
 
 
-def _gqa_inputs(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, flash: bool):
+def gqa_inputs(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, flash: bool, cuda: bool):
     """``(keys, values, enable_gqa)`` for SDPA.  On CUDA only the flash kernel (causal, fp16 / bf16) takes grouped
     KV heads; anything else (float32, a mask) would fall back to the math kernel, which materialises the whole
     ``[B, Hq, T, L]`` score matrix (112 GiB for 8 x 16k float32 prompts).  There the KV heads are repeated per
@@ -48,6 +48,6 @@ def _gqa_inputs(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, f
     Hq, H = query.shape[1], keys.shape[1]
     if Hq == H:
         return keys, values, False
-    if flash or not query.is_cuda:
+    if flash or not cuda:
         return keys, values, True
     return keys.repeat_interleave(Hq // H, 1), values.repeat_interleave(Hq // H, 1), False

@@ -109,3 +109,27 @@ def test_output_attentions_is_refused():
     for cache in (DynamicCache(), FlexiCache(HeadProfile.all_stable(cfg))):
         with pytest.raises(ValueError, match="output_attentions"):
             fc(ids, past_key_values=cache, output_attentions=True)
+
+
+@pytest.mark.parametrize("dtype,flash,masked", [(torch.float32, False, False), (torch.bfloat16, False, True),
+                                                (torch.bfloat16, True, False)])
+def test_prompt_attention_without_a_grouped_kernel_repeats_kv_heads_exactly(dtype, flash, masked):
+    """Where CUDA SDPA has no grouped-query kernel (float32, or a mask), dense_attention repeats each KV head for
+    its query heads; the result must be SDPA's grouped-query attention (query head h reads KV head h // group)."""
+    from flexicache_hf.dense import dense_attention, gqa_inputs
+
+    torch.manual_seed(0)
+    B, Hq, H, T, D = 2, 6, 2, 9, 8
+    q, k, v = torch.randn(B, Hq, T, D), torch.randn(B, H, T, D), torch.randn(B, H, T, D)
+    keys, values, grouped = gqa_inputs(q.to(dtype), k, v, flash, cuda=True)
+    assert grouped == flash and keys.shape[1] == (H if flash else Hq)
+    mask = None
+    if masked:
+        mask = torch.ones(B, T, dtype=torch.bool)
+        mask[1, :3] = False
+    want = dense_attention(q, k, v, mask, 0.3)  # CPU: SDPA's grouped mode
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    att = causal[None] if mask is None else causal[None] & mask[:, None, :] | torch.eye(T, dtype=torch.bool)[None]
+    got = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=att[:, None], scale=0.3,
+                                                          enable_gqa=grouped).transpose(1, 2)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)

@@ -257,3 +257,11 @@ def test_oracle_grids():
         for b in budgets:
             assert {f"{f}@{b}" for f in ("quest", "streaming", "snapkv", "lserve-R16", "flexicache-R16-u25",
                                           "flexicache-R16-u25-random")} <= labels
+    sel, p8 = cfgs["select-16k"](), cfgs["select-16k-pages8"]()
+    assert sel.fidelity_prompt == 16384 and p8.page_size == 8 and sel.page_size == 16
+    assert [p.label for p in sel.fidelity_policies()][:4] == ["dense", "flexicache-R16-u25@1024",
+                                                              "flexicache-R16-u25-mass@1024", "quest-mass@1024"]
+    assert all(p.group_score == "mass" for p in p8.fidelity_policies()[1:])
+    assert {p.label for p in cfgs["profiles-qwen-cpu"]().fidelity_policies()} == {
+        "dense", "flexicache-R16-u25@256", "flexicache-R16-u25-random@256", "flexicache-R16-u25-mass@256",
+        "flexicache-R16-u25-random-mass@256"}

@@ -295,10 +295,30 @@ def select_16k_pages8() -> EvalConfig:
     return replace(select_16k(), name="select-16k-pages8", page_size=8, fidelity_extra=out)
 
 
+def select_cpu() -> EvalConfig:
+    """``select-16k``'s question on the embedded SmolLM2 (3 query heads per KV head), CPU-sized like
+    ``oracle-cpu``: 2 documents of 2,048 prompt tokens + 64 dense tokens, teacher-forced, budget 256: FlexiCache
+    (measured profile) and Quest-like, each with the group maximum and with ``group_score="mass"``."""
+    extra = tuple(Policy(f, 256, group_score=g) for f in ("flexicache", "quest") for g in ("max", "mass"))
+    return replace(oracle_cpu(), name="select-cpu", fidelity_budgets=(), fidelity_families=(), fidelity_extra=extra)
+
+
+def profiles_qwen_cpu() -> EvalConfig:
+    """Does Qwen2.5-Coder-0.5B's measured profile beat a random one of the same size?  CPU-sized: 2 documents of
+    4,096 prompt tokens + 32 dense tokens, teacher-forced, budget 256 (1/16): FlexiCache R16 with the measured and
+    a random 25 % profile, each with the group maximum and with ``group_score="mass"`` (~15 min on 2 cores)."""
+    extra = tuple(Policy("flexicache", 256, 16, 0.25, kind, group_score=g)
+                  for g in ("max", "mass") for kind in ("measured", "random"))
+    return EvalConfig(name="profiles-qwen-cpu", model="qwen2.5-coder-0.5b", tasks=(), reach_lengths=(),
+                      fidelity_docs=2, fidelity_prompt=4096, fidelity_length=32, fidelity_budgets=(),
+                      fidelity_families=(), fidelity_free_run=False, fidelity_extra=extra)
+
+
 def named_configs() -> dict:
     return {"tiny": tiny, "full": full, "gpu-short": gpu_short, "fidelity-3k": fidelity_3k,
             "profiles-3k": profiles_3k, "sinks-3k": sinks_3k, "recency-8k": recency_8k,
             "free-8k": free_8k, "pages8-tasks": pages8_tasks, "oracle-16k": oracle_16k,
             "oracle-16k-pages8": oracle_16k_pages8, "oracle-cpu": oracle_cpu,
             "oracle-qwen-cpu": oracle_qwen_cpu, "qwen-8k": qwen_8k, "qwen-16k": qwen_16k, "qwen-32k": qwen_32k,
-            "select-16k": select_16k, "select-16k-pages8": select_16k_pages8}
+            "select-16k": select_16k, "select-16k-pages8": select_16k_pages8, "select-cpu": select_cpu,
+            "profiles-qwen-cpu": profiles_qwen_cpu}
