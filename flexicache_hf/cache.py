@@ -265,7 +265,7 @@ class FlexiCacheLayer(CacheLayerMixin):
         update them in place instead of copying them in and out on every replay."""
         if self.device.type != "cuda" or torch.compiler.is_compiling():
             return
-        for t in self.buffers() + self.state.tensors():
+        for t in self.buffers() + self.state.tensors() + [self.state.phases]:
             torch._dynamo.mark_static_address(t)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -459,20 +459,21 @@ class FlexiCacheLayer(CacheLayerMixin):
         (plus, for stable heads between re-ranks, the pages created since).
         """
         st, rr = self.state, self.reranker
-        if rr.num_stable < self.num_kv_heads or plan.may(plan.stable_due):  # some head is due
-            scores = rr.rerank(self.ops, q, self.kmin, self.kmax, st.num_pages, st.due, scaling)
+        due, stable_due = st.due_of(self.layer_idx), plan.due(self.layer_idx)
+        if rr.num_stable < self.num_kv_heads or plan.may(stable_due):  # some head is due
+            scores = rr.rerank(self.ops, q, self.kmin, self.kmax, st.num_pages, due, scaling)
             observer = self.owner.observer if plan is not GRAPH_PLAN else None
             if observer is not None:
-                heads, n = rr.scored_heads(plan.stable_due), plan.num_pages
+                heads, n = rr.scored_heads(stable_due), plan.num_pages
                 observer.on_rerank(RerankEvent(self.layer_idx, self.state.host_step - 1, heads,
                                                rr.selected[:, heads], scores[:, heads, :n], n, q))
-        if self.slot_heads.numel() and plan.may(plan.stable_due):
+        if self.slot_heads.numel() and plan.may(stable_due):
             with copy_context(self.copies):
-                pages, phys = self.slots.reseat(rr.selected[:, self.slot_heads], None if plan.stable_due else st.due)
+                pages, phys = self.slots.reseat(rr.selected[:, self.slot_heads], None if stable_due else due)
                 load_promoted(self.ops, self.pool, self.host, pages, phys)
             self.copies.hand_off()
             st.counters.add("promoted", (pages >= 0).sum())
-        attend = rr.attend_list(st.page, st.anchor, st.due)
+        attend = rr.attend_list(st.page, st.anchor_of(self.layer_idx), due)
         if self.count_pages:
             st.counters.add("pages_attended", (attend >= 0).sum())
         if plan is not GRAPH_PLAN:
@@ -752,8 +753,9 @@ class FlexiCache(Cache):
         key = str(device)
         if key not in self.states:
             first = not self.states
-            state = DecodeState(device, self.config.page_size, self.config.rerank_interval, self.max_tokens,
-                                counts_steps=first)
+            c = self.config
+            phases = tuple(c.rerank_phase(i) for i in range(len(self.layers)))
+            state = DecodeState(device, c.page_size, c.rerank_interval, self.max_tokens, phases, counts_steps=first)
             if not first:  # a later device's first layer (the first prompt forward): catch up with layer 0's
                 state.follow(self._state)
             self.states[key] = state

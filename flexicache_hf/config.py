@@ -37,6 +37,10 @@ class FlexiCacheConfig:
             pages are ranked by.  ``"max"`` (the paper, Quest): the group's largest bound.  ``"mass"``: each query
             head's bounds as an estimated attention distribution over pages (softmax of the scaled bound), summed
             over the group — the quantity an oracle selection maximises.
+        stagger_reranks: ``False`` (the paper): every layer's stable heads re-rank on the same steps ``0, R, 2R,
+            ...``, so every R-th step promotes all layers' new pages at once.  ``True``: layer ``l`` re-ranks them
+            on the steps ``s ≡ l (mod R)`` (and all on step 0), so each step promotes ~1/R of the pages: the same
+            interval per head, smoother step times.
     """
 
     page_size: int = 16
@@ -47,6 +51,7 @@ class FlexiCacheConfig:
     sink_pages: int = 0
     recent_pages: int = 0
     group_score: str = "max"
+    stagger_reranks: bool = False
 
     def __post_init__(self) -> None:
         ps = self.page_size
@@ -60,8 +65,9 @@ class FlexiCacheConfig:
         r = self.rerank_interval
         if not _is_int(r) or r < 1:
             raise ConfigError(f"rerank_interval must be a positive integer, got {r!r}")
-        if not isinstance(self.offload, bool):
-            raise ConfigError(f"offload must be a bool, got {self.offload!r}")
+        for name in ("offload", "stagger_reranks"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("sink_pages", "recent_pages"):
             v = getattr(self, name)
             if not _is_int(v) or v < 0:
@@ -81,6 +87,10 @@ class FlexiCacheConfig:
     def budget_pages(self) -> int:
         """K: pages attended per KV head per decode step."""
         return self.token_budget // self.page_size
+
+    def rerank_phase(self, layer: int) -> int:
+        """The step (mod R) on which ``layer``'s stable heads re-rank (besides step 0)."""
+        return layer % self.rerank_interval if self.stagger_reranks else 0
 
     @property
     def max_recent_pages(self) -> int:

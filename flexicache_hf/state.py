@@ -29,11 +29,15 @@ class StepPlan:
 
     new_page: bool | None  # this step's token starts a page
     page_full: bool | None  # this step's token fills its page
-    stable_due: bool | None  # stable heads re-rank at this step
+    stable_due: tuple[bool, ...] | None  # per layer: its stable heads re-rank at this step
     num_pages: int | None  # pages that exist once the token is appended
 
     def may(self, flag: bool | None) -> bool:
         return flag is None or flag
+
+    def due(self, layer: int) -> bool | None:
+        """Whether ``layer``'s stable heads re-rank at this step (None: unknown)."""
+        return None if self.stable_due is None else self.stable_due[layer]
 
 
 GRAPH_PLAN = StepPlan(None, None, None, None)  # a captured step: nothing is known on the host
@@ -43,22 +47,28 @@ class DecodeState:
     """Device scalars of the current decode step, shared by every layer of one cache.
 
     Persistent counters: ``length`` (tokens stored once this step's token is in, capped at ``capacity``),
-    ``step`` (decode steps since the last prompt chunk; step 0 re-ranks every head), ``anchor`` (newest page
-    when stable heads last re-ranked), ``overflow`` (a step went past ``capacity``: set in a graph, raised by
-    the host).  Per step, from :meth:`advance`: ``pos``, ``page``, ``offset``, ``num_pages``, ``new_page``,
-    ``page_full``, ``due``.  Every tensor has shape ``[1]`` and a fixed address for the cache's life.
+    ``step`` (decode steps since the last prompt chunk; step 0 re-ranks every head), ``anchor`` (per layer: the
+    newest page when its stable heads last re-ranked), ``overflow`` (a step went past ``capacity``: set in a graph,
+    raised by the host).  Per step, from :meth:`advance`: ``pos``, ``page``, ``offset``, ``num_pages``,
+    ``new_page``, ``page_full``, ``due`` (per layer: its stable heads re-rank now, on the steps
+    ``s ≡ phases[layer] (mod R)`` and on step 0).  Every tensor has shape ``[1]`` (``anchor`` and ``due``:
+    ``[num_layers]``; a layer reads :meth:`due_of` / :meth:`anchor_of`) and a fixed address for the cache's life.
     """
 
     def __init__(self, device: torch.device, page_size: int, rerank_interval: int, capacity: int | None,
-                 counts_steps: bool = True):
+                 phases: tuple[int, ...] = (0,), counts_steps: bool = True):
         self.device, self.page_size, self.interval = torch.device(device), page_size, rerank_interval
+        self.phases_host = tuple(phases)  # per layer: its stable re-rank step mod R (all 0: the paper's schedule)
+        self.phases = torch.tensor(self.phases_host, dtype=torch.long, device=self.device)
         self.counts_steps = counts_steps  # of a cache's per-device schedules, one counts its decode steps
         self.capacity = capacity  # tokens the buffers hold (None: they grow, so no graph is captured)
         long = lambda: torch.zeros(1, dtype=torch.long, device=self.device)  # noqa: E731
         flag = lambda: torch.zeros(1, dtype=torch.bool, device=self.device)  # noqa: E731
-        self.length, self.step, self.anchor = long(), long(), long()
+        self.length, self.step = long(), long()
+        self.anchor = torch.zeros(len(phases), dtype=torch.long, device=self.device)
         self.pos, self.page, self.offset, self.num_pages = long(), long(), long(), long()
-        self.new_page, self.page_full, self.due, self.overflow = flag(), flag(), flag(), flag()
+        self.new_page, self.page_full, self.overflow = flag(), flag(), flag()
+        self.due = torch.zeros(len(phases), dtype=torch.bool, device=self.device)
         self.host_length = 0  # the host's mirror of `length` and `step` (valid unless `stale`)
         self.host_step = 0
         self.stale = False  # graph replays advanced the device state past the mirror
@@ -67,8 +77,17 @@ class DecodeState:
         self.counters = DeviceCounters(self.device)
 
     def tensors(self) -> list[torch.Tensor]:
+        """The state that changes (what reset() clears; the phases are configuration)."""
         return [self.length, self.step, self.anchor, self.pos, self.page, self.offset, self.num_pages,
                 self.new_page, self.page_full, self.due, self.overflow, self.counters.values]
+
+    def due_of(self, layer: int) -> torch.Tensor:
+        """``[1]`` bool: ``layer``'s stable heads re-rank at this step."""
+        return self.due[layer : layer + 1]
+
+    def anchor_of(self, layer: int) -> torch.Tensor:
+        """``[1]``: the newest page when ``layer``'s stable heads last re-ranked."""
+        return self.anchor[layer : layer + 1]
 
     # ---- the step ---------------------------------------------------------------------------------------
     def advance(self) -> None:
@@ -83,7 +102,7 @@ class DecodeState:
         self.num_pages.copy_(self.page + 1)
         self.new_page.copy_(self.offset == 0)
         self.page_full.copy_(self.offset == ps - 1)
-        self.due.copy_(torch.remainder(self.step, self.interval) == 0)
+        self.due.copy_((torch.remainder(self.step - self.phases, self.interval) == 0) | (self.step == 0))
         self.anchor.copy_(torch.where(self.due, self.page, self.anchor))
         self.length.copy_(pos + 1)
         self.step.add_(1)
@@ -94,8 +113,10 @@ class DecodeState:
         """:meth:`advance`, plus the host's exact plan of the same step."""
         self.sync()
         pos, ps = self.host_length, self.page_size
-        self.plan = StepPlan(new_page=pos % ps == 0, page_full=pos % ps == ps - 1,
-                             stable_due=self.host_step % self.interval == 0, num_pages=pos // ps + 1)
+        step, r = self.host_step, self.interval
+        due = tuple(step == 0 or (step - ph) % r == 0 for ph in self.phases_host)
+        self.plan = StepPlan(new_page=pos % ps == 0, page_full=pos % ps == ps - 1, stable_due=due,
+                             num_pages=pos // ps + 1)
         self.advance()
         self.host_length, self.host_step = pos + 1, self.host_step + 1
         return self.plan

@@ -199,3 +199,31 @@ def test_reference_sparse_decode_ignores_unlisted_width():
     want = reference.sparse_decode(q, k_pool, v_pool, table, narrow, torch.tensor([0, 3]), 27, 0.3)
     torch.testing.assert_close(reference.sparse_decode(q, k_pool, v_pool, table, wide, torch.tensor([0, 3]), 27, 0.3),
                                want)
+
+
+def test_staggered_reranks_spread_the_layers_over_the_interval():
+    """stagger_reranks=True: layer l's stable heads re-rank on the steps s = l (mod R) (and all on step 0); the
+    unstable heads every step; the promotions of a re-rank are spread over the steps; and a budget covering every
+    page still decodes exactly as dense."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    cfg = tiny_config("llama", heads=4, kv_heads=2, layers=4, head_dim=8)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="flexicache").eval()
+    ids = torch.randint(2, 90, (1, 40))
+    profile = HeadProfile.from_unstable(cfg, [(layer, 1) for layer in range(4)])
+    R, steps = 3, 10
+    rec = Recorder()
+    cache = FlexiCache(profile, page_size=4, token_budget=16, rerank_interval=R, stagger_reranks=True,
+                       observer=rec)
+    model.generate(ids, past_key_values=cache, max_new_tokens=steps + 1, min_new_tokens=steps + 1, do_sample=False)
+    stable_steps = {layer: [e.step for e in rec.events if e.layer_idx == layer and 0 in e.heads.tolist()]
+                    for layer in range(4)}
+    for layer, got in stable_steps.items():
+        assert got == [s for s in range(steps) if s == 0 or s % R == layer % R], (layer, got)
+    unstable_steps = [e.step for e in rec.events if e.layer_idx == 2 and 1 in e.heads.tolist()]
+    assert unstable_steps == list(range(steps))
+    full = FlexiCache(profile, page_size=4, token_budget=64, rerank_interval=R, stagger_reranks=True)
+    kw = dict(max_new_tokens=12, do_sample=False)
+    assert torch.equal(model.generate(ids, past_key_values=full, **kw),
+                       model.generate(ids, past_key_values=DynamicCache(), **kw))

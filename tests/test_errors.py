@@ -32,6 +32,7 @@ def gen(model, ids, cache, n=4, **kw):
     (dict(host_memory_limit=True), "non-negative"),
     (dict(rerank_interval=2.0), "positive integer"),
     (dict(group_score="sum"), "group_score must be one of"),
+    (dict(stagger_reranks=1), "stagger_reranks must be a bool"),
 ])
 def test_bad_config_values(fields, match):
     with pytest.raises(ConfigError, match=match):

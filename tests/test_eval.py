@@ -1,10 +1,8 @@
 """The accuracy-retention harness (flexicache_hf.eval) on a tiny random Llama: scorers, tasks, eviction
 caches, policy equivalences and a whole tiny run."""
 
-import copy
 import random
 import time
-from dataclasses import replace
 
 import pytest
 import torch
@@ -14,11 +12,9 @@ import flexicache_hf  # noqa: F401
 from flexicache_hf import FlexiCache, FlexiCacheConfig, HeadProfile
 from flexicache_hf.eval import fidelity, report, runner
 from flexicache_hf.eval.decoding import greedy
-from flexicache_hf.eval.eviction import (EvictionCache, LServeLayer, SnapKVLayer, StreamingLayer, lserve_cache,
-                                         snapkv_cache, streaming_cache)
+from flexicache_hf.eval.eviction import EvictionCache, LServeLayer, lserve_cache, snapkv_cache, streaming_cache
 from flexicache_hf.eval.grids import EvalConfig, full, only
 from flexicache_hf.eval.policies import Policy, ProfileSource, make_cache
-from flexicache_hf.eval.query_capture import capture_queries
 from flexicache_hf.eval.scorers import agreement_length, contains, lcs_length, match_all, rouge_l
 from flexicache_hf.eval.tasks import make_samples, render, task_makers
 

@@ -89,6 +89,22 @@ def test_compiled_decode_with_group_mass_equals_eager(setup):
     assert not torch.equal(sel(by_max), sel(eager_cache))
 
 
+def test_compiled_decode_with_staggered_reranks_equals_eager(setup):
+    """stagger_reranks=True in the compiled step (the per-layer due flags and anchors advance on the device):
+    the same tokens and counters as eagerly, in one graph."""
+    cfg, fc, _, ids, mask = setup
+    prof = HeadProfile.from_unstable(cfg, [(0, 1)])
+    make = lambda: FlexiCache(prof, page_size=4, token_budget=12, rerank_interval=5,  # noqa: E731
+                              stagger_reranks=True, max_cache_len=37 + 24)
+    eager_cache = make()
+    eager = run(fc, ids, mask, eager_cache, 24, compiled=False)
+    before = graphs()
+    cache = make()
+    assert torch.equal(run(fc, ids, mask, cache, 24, compiled=True), eager)
+    assert graphs() - before <= 1 and cache.stats == eager_cache.stats
+    assert cache.layers[1].reranker.reranks.tolist() == eager_cache.layers[1].reranker.reranks.tolist()
+
+
 def test_compiled_full_budget_equals_dense(setup):
     cfg, fc, dense, ids, mask = setup
     cache = FlexiCache(HeadProfile.random(cfg, 0.5, seed=2), page_size=4, token_budget=128, rerank_interval=3,

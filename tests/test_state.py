@@ -19,10 +19,31 @@ def test_eager_plan_and_device_state_agree_over_pages_and_reranks():
         assert int(st.pos) == pos and int(st.length) == pos + 1 and int(st.num_pages) == pos // 4 + 1
         assert plan.new_page == bool(st.new_page) == (pos % 4 == 0)
         assert plan.page_full == bool(st.page_full) == (pos % 4 == 3)
-        assert plan.stable_due == bool(st.due) == (step % 3 == 0)
+        assert plan.stable_due == (bool(st.due),) == (step % 3 == 0,)
         anchor = pos // 4 if step % 3 == 0 else anchor
         assert int(st.anchor) == anchor
     assert st.counters.read()["decode_steps"] == 24
+
+
+def test_staggered_phases_rerank_each_layer_every_r_steps_and_all_on_step_zero():
+    R, phases = 4, (0, 1, 2, 3, 0, 1)
+    st = DecodeState("cpu", page_size=2, rerank_interval=R, capacity=None, phases=phases)
+    st.add_chunk(5)
+    last = [None] * len(phases)
+    for step in range(13):
+        plan = st.begin_eager_step()
+        want = tuple(step == 0 or (step - ph) % R == 0 for ph in phases)
+        assert plan.stable_due == want == tuple(st.due.tolist())
+        assert all(bool(st.due_of(i)) == want[i] and plan.due(i) == want[i] for i in range(len(phases)))
+        for i, d in enumerate(want):
+            if d:
+                assert last[i] is None or step - last[i] <= R  # never longer than R between re-ranks
+                last[i] = step
+                assert int(st.anchor_of(i)) == int(st.page)
+        if step:
+            assert sum(want) == phases.count(step % R) < len(phases)  # the layers of this phase only
+    st.add_chunk(3)  # a prompt chunk restarts the schedule: every layer re-ranks on the next step
+    assert all(st.begin_eager_step().stable_due)
 
 
 def test_capacity_clamps_and_flags_a_captured_overflow():
@@ -52,7 +73,7 @@ def test_one_schedule_per_device_follows_the_first_and_counts_steps_once():
     for state in cache.states.values():
         state.begin_eager_step()
     assert int(first.length) == int(second.length) == 11
-    assert bool(second.due) and int(second.anchor) == 2
+    assert bool(second.due.all()) and second.anchor.tolist() == [2, 2]
     assert cache.stats.decode_steps == 1  # counted by the first device's schedule only
     cache.reset()
     assert not cache.states

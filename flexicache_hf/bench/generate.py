@@ -459,6 +459,7 @@ def new_cache(row: str, model, profile, args, max_cache_len: int):
     if row.startswith("flexicache"):
         limit = int(args.host_limit_gb * 1e9) if args.host_limit_gb > 0 else None
         return FlexiCache(profile, token_budget=args.budget, rerank_interval=args.rerank_interval,
+                          stagger_reranks=args.stagger_reranks, group_score=args.group_score,
                           max_cache_len=max_cache_len, model_config=model.config, host_memory_limit=limit)
     if is_compiled(row):  # static*
         try:
@@ -762,6 +763,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--offloaded-tokens", type=int, default=16)
     ap.add_argument("--budget", type=int, default=1024)
     ap.add_argument("--rerank-interval", type=int, default=16)
+    ap.add_argument("--stagger-reranks", action="store_true",
+                    help="FlexiCacheConfig(stagger_reranks=True): layers re-rank their stable heads on different steps")
+    ap.add_argument("--group-score", choices=("max", "mass"), default="max", help="FlexiCacheConfig.group_score")
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="profile N+8 more tokens of the compiled rows (GPU busy fraction, kernels per step)")
     ap.add_argument("--largest-batch", type=int, default=None, metavar="PROMPT_LEN",

@@ -303,6 +303,16 @@ def select_cpu() -> EvalConfig:
     return replace(oracle_cpu(), name="select-cpu", fidelity_budgets=(), fidelity_families=(), fidelity_extra=extra)
 
 
+def mass_tasks_cpu() -> EvalConfig:
+    """``full``'s retrieval tasks (~800 tokens, SmolLM2) at 1/8 and 1/4, 4 samples: FlexiCache and Quest-like with
+    the group maximum and with ``group_score="mass"`` — does the mass keep the needles?  CPU, ~15 min."""
+    extra = tuple(Policy(f, b, group_score="mass") if f != "flexicache" else Policy(f, b, 16, 0.25, group_score="mass")
+                  for b in (1 / 8, 1 / 4) for f in ("flexicache", "quest"))
+    return replace(full(), name="mass-tasks-cpu", samples=4, reach_lengths=(), budgets=(1 / 8, 1 / 4),
+                   families=("flexicache", "quest"), rerank_intervals=(), unstable_fractions=(), task_extra=extra,
+                   fidelity_docs=0)
+
+
 def profiles_qwen_cpu() -> EvalConfig:
     """Does Qwen2.5-Coder-0.5B's measured profile beat a random one of the same size?  CPU-sized: 2 documents of
     4,096 prompt tokens + 32 dense tokens, teacher-forced, budget 256 (1/16): FlexiCache R16 with the measured and
@@ -321,4 +331,4 @@ def named_configs() -> dict:
             "oracle-16k-pages8": oracle_16k_pages8, "oracle-cpu": oracle_cpu,
             "oracle-qwen-cpu": oracle_qwen_cpu, "qwen-8k": qwen_8k, "qwen-16k": qwen_16k, "qwen-32k": qwen_32k,
             "select-16k": select_16k, "select-16k-pages8": select_16k_pages8, "select-cpu": select_cpu,
-            "profiles-qwen-cpu": profiles_qwen_cpu}
+            "profiles-qwen-cpu": profiles_qwen_cpu, "mass-tasks-cpu": mass_tasks_cpu}
