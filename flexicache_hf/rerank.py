@@ -97,6 +97,14 @@ class Reranker:
         self.reranks.add_(active)
         return scores
 
+    def top_k(self, ops: KernelOps, query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
+              heads: torch.Tensor, num_pages: int, scale: float | None = None) -> torch.Tensor:
+        """``[B, h, K]``: the top-K pages of ``heads`` for ``query`` by this layer's rule (score, forced pages,
+        select), without storing it (the prompt's last query seats the offloaded heads' first pages)."""
+        scores = ops.page_scores(query, kmin, kmax, heads, num_pages, None, self.group_score, scale)
+        scores = force_pages(scores, num_pages, self.sink_pages, self.recent_pages)
+        return ops.select_pages(scores, self.budget_pages)
+
     def attend_list(self, newest: torch.Tensor, anchor: torch.Tensor, due: torch.Tensor) -> torch.Tensor:
         """``[B, H, K + max_recent]`` logical pages each head attends to this step (-1 padded).
 

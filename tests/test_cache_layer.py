@@ -227,3 +227,41 @@ def test_staggered_reranks_spread_the_layers_over_the_interval():
     kw = dict(max_new_tokens=12, do_sample=False)
     assert torch.equal(model.generate(ids, past_key_values=full, **kw),
                        model.generate(ids, past_key_values=DynamicCache(), **kw))
+
+
+def test_prompt_seats_the_last_querys_top_k_so_the_first_step_loads_only_changes():
+    """After the first prompt chunk the offloaded heads' slots hold the top-K pages of the prompt's last query,
+    with the prompt's own keys and values (copied on the device); the first decode step then promotes from the
+    host only the pages its own query changes."""
+    cfg = tiny_config("llama", heads=8, kv_heads=4, layers=1, head_dim=8)
+    profile = HeadProfile.from_unstable(cfg, [(0, 1)])
+    torch.manual_seed(3)
+    B, H, G, D, T, ps, K = 2, 4, 2, 8, 70, 4, 5
+    cache = FlexiCache(profile, page_size=ps, token_budget=K * ps, rerank_interval=4, kernels="reference")
+    layer = cache.layers[0]
+    keys, values, q = torch.randn(B, H, T, D), torch.randn(B, H, T, D), torch.randn(B, H * G, T, D)
+    handle, _ = cache.update(keys, values, 0)
+    layer.attend(handle, q, None, D ** -0.5)
+    heads = layer.slot_heads
+    n = -(-T // ps)
+    lo, hi = naive_minmax(keys, torch.zeros(B, dtype=torch.long), n, ps)
+    want = reference.select_pages(reference.page_scores(q[:, :, -1], lo, hi, heads, n, None, "max", D ** -0.5), K)
+    seated = layer.slots.slot_page
+    for b in range(B):
+        for t, h in enumerate(heads.tolist()):
+            got = sorted(p for p in seated[b, t].tolist() if p >= 0)
+            assert got == want[b, t].tolist()
+            for p in got:  # the slot's contents are the prompt's tokens of that page
+                phys = int(layer.pool.page_table[b, h, p])
+                toks = slice(p * ps, min((p + 1) * ps, T))
+                m = toks.stop - toks.start
+                assert torch.equal(layer.pool.k[phys, :m], keys[b, h, toks])
+                assert torch.equal(layer.pool.v[phys, :m], values[b, h, toks])
+    k1, v1, q1 = torch.randn(B, H, 1, D), torch.randn(B, H, 1, D), torch.randn(B, H * G, 1, D)
+    handle, _ = cache.update(k1, v1, 0)
+    layer.attend(handle, q1, None, D ** -0.5)
+    first = reference.select_pages(reference.page_scores(q1[:, :, 0], *naive_minmax(
+        torch.cat([keys, k1], 2), torch.zeros(B, dtype=torch.long), n, ps), heads, n), K)
+    changed = sum(len(set(first[b, t].tolist()) - set(want[b, t].tolist()))
+                  for b in range(B) for t in range(len(heads)))
+    assert cache.stats.promoted == changed < B * len(heads) * K
