@@ -265,7 +265,7 @@ class FlexiCacheLayer(CacheLayerMixin):
         update them in place instead of copying them in and out on every replay."""
         if self.device.type != "cuda" or torch.compiler.is_compiling():
             return
-        for t in self.buffers() + self.state.tensors() + [self.state.phases]:
+        for t in self.buffers() + self.state.buffers():
             torch._dynamo.mark_static_address(t)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -441,7 +441,7 @@ class FlexiCacheLayer(CacheLayerMixin):
             wanted = self.reranker.top_k(self.ops, q, self.kmin, self.kmax, heads, num_pages(self.seq_len, ps),
                                          scaling)
             pages, phys = self.slots.reseat(wanted)
-            seat_from_chunk(self.pool, pages, phys, keys[:, heads], values[:, heads], ps)
+            seat_from_chunk(self.pool, pages, phys, keys, values, heads, ps)
         self.copies_pending = True
 
     def _observe_padding(self, mask2d: torch.Tensor | None, start: int) -> None:

@@ -22,9 +22,10 @@ def dense_attention(
     kernel for it)."""
     B, Hq, T, D = query.shape
     L = keys.shape[2]
-    flash = key_valid is None and T == L and query.dtype in (torch.float16, torch.bfloat16)
+    causal = key_valid is None and T == L  # the chunk is the whole sequence, unpadded: SDPA's causal mode
+    flash = causal and query.dtype in (torch.float16, torch.bfloat16)
     keys, values, gqa = gqa_inputs(query, keys, values, flash, query.is_cuda)
-    if key_valid is None and T == L:
+    if causal:
         out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scaling, enable_gqa=gqa,
                                              dropout_p=dropout)
     else:

@@ -145,14 +145,16 @@ def qwen_gguf_path(path: str | os.PathLike | None = None) -> Path:
 
 # ---- by name ---------------------------------------------------------------------------------------
 _RESOLVERS = {DEFAULT_MODEL: default_gguf_path, QWEN_MODEL: qwen_gguf_path}
-_ALIASES = {"smollm2-135m-instruct": DEFAULT_MODEL, "qwen2.5-coder-0.5b-instruct": QWEN_MODEL}
+_ALIASES = {"smollm2-135m-instruct": DEFAULT_MODEL, "smollm2": DEFAULT_MODEL, "default": DEFAULT_MODEL,
+            "qwen2.5-coder-0.5b-instruct": QWEN_MODEL}
 MODEL_NAMES = tuple(_RESOLVERS)
 # The hub name of each model, recorded in its profile; a profile ships as profiles/<its last part>.json.
 HUB_NAMES = {DEFAULT_MODEL: "HuggingFaceTB/SmolLM2-135M-Instruct", QWEN_MODEL: "Qwen/Qwen2.5-Coder-0.5B-Instruct"}
 
 
 def canonical_name(name: str) -> str:
-    """``name`` as one of MODEL_NAMES (case-insensitive; "-instruct" optional); unknown names are refused."""
+    """``name`` as one of MODEL_NAMES (case-insensitive; "-instruct" optional; "smollm2" / "default" for the
+    embedded default model); unknown names are refused."""
     key = _ALIASES.get(name.lower(), name.lower())
     if key not in _RESOLVERS:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(MODEL_NAMES)}")

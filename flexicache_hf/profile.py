@@ -20,9 +20,6 @@ import sys
 import time
 from pathlib import Path
 
-# Short names of the embedded default model; other names flexicache_hf.models loads are taken as they are.
-_SHORT_NAMES = {"smollm2": "smollm2-135m", "default": "smollm2-135m"}
-
 
 def build_parser() -> argparse.ArgumentParser:
     from .models import HUB_NAMES
@@ -109,7 +106,6 @@ def _named_model(name: str) -> str | None:
     """The flexicache_hf.models name of ``name`` when it is one (short names included), else None (a path)."""
     from .models import canonical_name
 
-    name = _SHORT_NAMES.get(name.lower(), name)
     try:
         return canonical_name(name)
     except ValueError:

@@ -91,8 +91,7 @@ class Reranker:
         store their top-K in ``selected``; returns the scores ``[B, H, P_cap]`` (-inf past ``num_pages`` and
         on heads not due); ``scale`` is the attention's softmax scale (``group_score="mass"``)."""
         active = ~self.is_stable | due
-        scores = ops.page_scores(query, kmin, kmax, self.all_heads, num_pages, active, self.group_score, scale)
-        scores = force_pages(scores, num_pages, self.sink_pages, self.recent_pages)
+        scores = self._scores(ops, query, kmin, kmax, self.all_heads, num_pages, active, scale)
         ops.select_pages(scores, self.budget_pages, num_pages=num_pages, active=active, out=self.selected)
         self.reranks.add_(active)
         return scores
@@ -101,9 +100,12 @@ class Reranker:
               heads: torch.Tensor, num_pages: int, scale: float | None = None) -> torch.Tensor:
         """``[B, h, K]``: the top-K pages of ``heads`` for ``query`` by this layer's rule (score, forced pages,
         select), without storing it (the prompt's last query seats the offloaded heads' first pages)."""
-        scores = ops.page_scores(query, kmin, kmax, heads, num_pages, None, self.group_score, scale)
-        scores = force_pages(scores, num_pages, self.sink_pages, self.recent_pages)
-        return ops.select_pages(scores, self.budget_pages)
+        return ops.select_pages(self._scores(ops, query, kmin, kmax, heads, num_pages, None, scale), self.budget_pages)
+
+    def _scores(self, ops: KernelOps, query, kmin, kmax, heads, num_pages, active, scale) -> torch.Tensor:
+        """The page scores this layer ranks by: the bound combined as ``group_score`` says, forced pages +inf."""
+        scores = ops.page_scores(query, kmin, kmax, heads, num_pages, active, self.group_score, scale)
+        return force_pages(scores, num_pages, self.sink_pages, self.recent_pages)
 
     def attend_list(self, newest: torch.Tensor, anchor: torch.Tensor, due: torch.Tensor) -> torch.Tensor:
         """``[B, H, K + max_recent]`` logical pages each head attends to this step (-1 padded).

@@ -81,6 +81,10 @@ class DecodeState:
         return [self.length, self.step, self.anchor, self.pos, self.page, self.offset, self.num_pages,
                 self.new_page, self.page_full, self.due, self.overflow, self.counters.values]
 
+    def buffers(self) -> list[torch.Tensor]:
+        """Every device tensor a decode step reads (fixed addresses for graph capture)."""
+        return self.tensors() + [self.phases]
+
     def due_of(self, layer: int) -> torch.Tensor:
         """``[1]`` bool: ``layer``'s stable heads re-rank at this step."""
         return self.due[layer : layer + 1]

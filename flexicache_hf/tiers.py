@@ -364,18 +364,21 @@ def load_promoted(ops: KernelOps, pool: PagePool, host: HostTier, pages: torch.T
 
 
 def seat_from_chunk(pool: PagePool, pages: torch.Tensor, phys: torch.Tensor, keys: torch.Tensor,
-                    values: torch.Tensor, page_size: int) -> None:
-    """Fill the slots ``phys`` with logical ``pages`` (both ``[B, heads, K]``, -1 = none) taken from a prompt
-    chunk that starts at position 0 and is still on the device (``keys`` / ``values`` ``[B, heads, T, D]``):
-    device-to-device, instead of :func:`load_promoted` from the host tier."""
+                    values: torch.Tensor, heads: torch.Tensor, page_size: int) -> None:
+    """Fill the slots ``phys`` with logical ``pages`` (both ``[B, len(heads), K]``, -1 = none) of KV ``heads``, taken
+    from a prompt chunk that starts at position 0 and is still on the device (``keys`` / ``values``
+    ``[B, H, T, D]``): device-to-device, instead of :func:`load_promoted` from the host tier.  Only the seated
+    pages' token rows are read (a past-the-end row of a partial page repeats the last token: never attended)."""
     B, nT, K = pages.shape
-    T, D = keys.shape[2], keys.shape[3]
-    n = -(-T // page_size)
-    idx = pages.clamp_min(0)[..., None, None].expand(B, nT, K, page_size, D)
+    T = keys.shape[2]
+    tok = pages.clamp_min(0)[..., None] * page_size + torch.arange(page_size, device=pages.device)  # [B, nT, K, ps]
+    tok = tok.clamp_max(T - 1)
+    b = torch.arange(B, device=pages.device)[:, None, None, None]
+    h = heads.to(pages.device)[None, :, None, None]
     dst = torch.where(pages >= 0, phys, NULL_PAGE).reshape(-1)  # nothing to seat: the null page, never read
     for src, buf in ((keys, pool.k), (values, pool.v)):
-        tiles = torch.nn.functional.pad(src, (0, 0, 0, n * page_size - T)).view(B, nT, n, page_size, D)
-        buf.index_copy_(0, dst, tiles.gather(2, idx).reshape(-1, page_size, D).to(buf.dtype))
+        rows = src[b, h, tok]  # [B, nT, K, ps, D]
+        buf.index_copy_(0, dst, rows.reshape(-1, page_size, src.shape[3]).to(buf.dtype))
 
 
 def offload_page(ops: KernelOps, pool: PagePool, host: HostTier, page, phys: torch.Tensor,

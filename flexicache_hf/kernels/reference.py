@@ -80,8 +80,11 @@ def append_token(
     kmax.scatter_(2, idx, torch.maximum(kmax.gather(2, idx), k))
 
 
-# How a KV head's query-head group turns its bounds into one page score (FlexiCacheConfig.group_score).
-GROUP_COMBINES = GROUP_SCORES
+def check_combine(combine: str) -> None:
+    """``combine`` must name how a KV head's query-head group turns its bounds into one page score
+    (:data:`~flexicache_hf.config.GROUP_SCORES`, FlexiCacheConfig.group_score)."""
+    if combine not in GROUP_SCORES:
+        raise ValueError(f"combine must be one of {GROUP_SCORES}, got {combine!r}")
 
 
 def group_mass(bounds: torch.Tensor, scale: float) -> torch.Tensor:
@@ -107,7 +110,7 @@ def page_scores(
     heads: torch.Tensor,  # [h] int64 KV heads to score
     num_pages: int | torch.Tensor,  # pages that exist: an int, or a [1] int64 tensor (read on the device)
     active: torch.Tensor | None = None,  # [h] bool: heads scored now (None: all); inactive rows are -inf
-    combine: str = "max",  # GROUP_COMBINES: how the group's query heads make one score
+    combine: str = "max",  # config.GROUP_SCORES: how the group's query heads make one score
     scale: float | None = None,  # the attention's softmax scale ("mass"; None: D ** -0.5)
 ) -> torch.Tensor:  # [B, h, num_pages] float32 for an int count, [B, h, P_cap] (-inf past the count) for a tensor
     """Quest's upper bound ``sum_i max(q_i * kmin_i, q_i * kmax_i)`` per page and query head, for the given KV
@@ -118,8 +121,7 @@ def page_scores(
     the other heads of the group outvote it).  ``combine="mass"``: :func:`group_mass` of the bounds.  Pages
     without a valid token score ``-inf``.
     """
-    if combine not in GROUP_COMBINES:
-        raise ValueError(f"combine must be one of {GROUP_COMBINES}, got {combine!r}")
+    check_combine(combine)
     if isinstance(num_pages, torch.Tensor):  # the device count: a row as wide as the cache, -inf past it
         n = int(num_pages.reshape(-1)[0])
         out = torch.full((query.shape[0], heads.numel(), kmin.shape[2]), NEG_INF, device=query.device)

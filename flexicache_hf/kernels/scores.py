@@ -82,7 +82,7 @@ def page_scores(
     heads: torch.Tensor,  # [h] int64 KV heads to score
     num_pages: int | torch.Tensor,  # an int, or a [1] int64 device tensor (then the output spans P_cap)
     active: torch.Tensor | None = None,  # [h] bool: heads scored now (None: all)
-    combine: str = "max",  # reference.GROUP_COMBINES
+    combine: str = "max",  # config.GROUP_SCORES
     scale: float | None = None,  # "mass": the attention's softmax scale (None: D ** -0.5)
     *,
     block_p: int | None = None,  # pages per program (benchmarks sweep it); None = 64 (32 for D > 128)
@@ -90,8 +90,7 @@ def page_scores(
 ) -> torch.Tensor:  # [B, h, num_pages or P_cap] float32
     """Same contract as :func:`reference.page_scores`; ``combine="mass"`` stores every query head's bound and
     combines them with the reference's :func:`~flexicache_hf.kernels.reference.group_mass`."""
-    if combine not in reference.GROUP_COMBINES:
-        raise ValueError(f"combine must be one of {reference.GROUP_COMBINES}, got {combine!r}")
+    reference.check_combine(combine)
     B, Hq, D = query.shape
     H = kmin.shape[1]
     n_sel = heads.numel()
