@@ -1,4 +1,4 @@
-"""A transformers text-generation pipeline where every call gets its own FlexiCache.
+"""A transformers text-generation pipeline where every call gets an empty FlexiCache.
 
     python examples/pipeline.py
 """

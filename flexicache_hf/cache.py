@@ -341,6 +341,7 @@ class FlexiCacheLayer(CacheLayerMixin):
         cache (one kernel for every head); a page it fills goes to the host.  Device scalars only; ``plan``
         merely lets an eager step skip predicated-away launches."""
         st, ps = self.state, self.config.page_size
+        st.begin_layer(self.layer_idx)  # this layer's re-rank schedule for the step
         offloaded = self.slot_heads.numel() > 0
         if offloaded and plan.may(plan.new_page):
             self.slots.place_new_page(st.page, self.tail_phys, None if plan.new_page else st.new_page)

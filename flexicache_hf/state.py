@@ -47,28 +47,32 @@ class DecodeState:
     """Device scalars of the current decode step, shared by every layer of one cache.
 
     Persistent counters: ``length`` (tokens stored once this step's token is in, capped at ``capacity``),
-    ``step`` (decode steps since the last prompt chunk; step 0 re-ranks every head), ``anchor`` (per layer: the
-    newest page when its stable heads last re-ranked), ``overflow`` (a step went past ``capacity``: set in a graph,
-    raised by the host).  Per step, from :meth:`advance`: ``pos``, ``page``, ``offset``, ``num_pages``,
-    ``new_page``, ``page_full``, ``due`` (per layer: its stable heads re-rank now, on the steps
-    ``s ≡ phases[layer] (mod R)`` and on step 0).  Every tensor has shape ``[1]`` (``anchor`` and ``due``:
-    ``[num_layers]``; a layer reads :meth:`due_of` / :meth:`anchor_of`) and a fixed address for the cache's life.
+    ``step`` (decode steps since the last prompt chunk; step 0 re-ranks every head), ``overflow`` (a step went
+    past ``capacity``: set in a graph, raised by the host).  Per step, from :meth:`advance`: ``current`` (this
+    step's index), ``pos``, ``page``, ``offset``, ``num_pages``, ``new_page``, ``page_full``.  Every tensor has
+    shape ``[1]`` and a fixed address for the cache's life.
+
+    Per layer, from :meth:`begin_layer` (each layer calls it as its step begins): ``due`` (its stable heads
+    re-rank now, on the steps ``s ≡ phase (mod R)`` and on step 0) and ``anchor`` (the newest page when they last
+    re-ranked).  Each layer's scalars, its phase included, are tensors of their own rather than elements of one
+    ``[num_layers]`` tensor: a compiled step then reads them through pointers, so every layer's generated kernels
+    are the same code (compiled once), not one variant per layer's constant index.
     """
 
     def __init__(self, device: torch.device, page_size: int, rerank_interval: int, capacity: int | None,
                  phases: tuple[int, ...] = (0,), counts_steps: bool = True):
         self.device, self.page_size, self.interval = torch.device(device), page_size, rerank_interval
         self.phases_host = tuple(phases)  # per layer: its stable re-rank step mod R (all 0: the paper's schedule)
-        self.phases = torch.tensor(self.phases_host, dtype=torch.long, device=self.device)
         self.counts_steps = counts_steps  # of a cache's per-device schedules, one counts its decode steps
         self.capacity = capacity  # tokens the buffers hold (None: they grow, so no graph is captured)
         long = lambda: torch.zeros(1, dtype=torch.long, device=self.device)  # noqa: E731
         flag = lambda: torch.zeros(1, dtype=torch.bool, device=self.device)  # noqa: E731
-        self.length, self.step = long(), long()
-        self.anchor = torch.zeros(len(phases), dtype=torch.long, device=self.device)
+        self.length, self.step, self.current = long(), long(), long()
         self.pos, self.page, self.offset, self.num_pages = long(), long(), long(), long()
         self.new_page, self.page_full, self.overflow = flag(), flag(), flag()
-        self.due = torch.zeros(len(phases), dtype=torch.bool, device=self.device)
+        self.phases = [torch.full((1,), ph, dtype=torch.long, device=self.device) for ph in self.phases_host]
+        self.due = [flag() for _ in self.phases_host]
+        self.anchor = [long() for _ in self.phases_host]
         self.host_length = 0  # the host's mirror of `length` and `step` (valid unless `stale`)
         self.host_step = 0
         self.stale = False  # graph replays advanced the device state past the mirror
@@ -78,20 +82,20 @@ class DecodeState:
 
     def tensors(self) -> list[torch.Tensor]:
         """The state that changes (what reset() clears; the phases are configuration)."""
-        return [self.length, self.step, self.anchor, self.pos, self.page, self.offset, self.num_pages,
-                self.new_page, self.page_full, self.due, self.overflow, self.counters.values]
+        return [self.length, self.step, self.current, self.pos, self.page, self.offset, self.num_pages,
+                self.new_page, self.page_full, self.overflow, self.counters.values, *self.due, *self.anchor]
 
     def buffers(self) -> list[torch.Tensor]:
         """Every device tensor a decode step reads (fixed addresses for graph capture)."""
-        return self.tensors() + [self.phases]
+        return self.tensors() + self.phases
 
     def due_of(self, layer: int) -> torch.Tensor:
-        """``[1]`` bool: ``layer``'s stable heads re-rank at this step."""
-        return self.due[layer : layer + 1]
+        """``[1]`` bool: ``layer``'s stable heads re-rank at this step (valid after :meth:`begin_layer`)."""
+        return self.due[layer]
 
     def anchor_of(self, layer: int) -> torch.Tensor:
-        """``[1]``: the newest page when ``layer``'s stable heads last re-ranked."""
-        return self.anchor[layer : layer + 1]
+        """``[1]``: the newest page when ``layer``'s stable heads last re-ranked (valid after :meth:`begin_layer`)."""
+        return self.anchor[layer]
 
     # ---- the step ---------------------------------------------------------------------------------------
     def advance(self) -> None:
@@ -106,12 +110,18 @@ class DecodeState:
         self.num_pages.copy_(self.page + 1)
         self.new_page.copy_(self.offset == 0)
         self.page_full.copy_(self.offset == ps - 1)
-        self.due.copy_((torch.remainder(self.step - self.phases, self.interval) == 0) | (self.step == 0))
-        self.anchor.copy_(torch.where(self.due, self.page, self.anchor))
+        self.current.copy_(self.step)
         self.length.copy_(pos + 1)
         self.step.add_(1)
         if self.counts_steps:
             self.counters.add("decode_steps", 1)
+
+    def begin_layer(self, layer: int) -> None:
+        """``layer``'s part of the step :meth:`advance` planned: whether its stable heads re-rank now, and their
+        anchor (tensor operations on that layer's own scalars; runs inside a captured graph)."""
+        due, cur = self.due[layer], self.current
+        due.copy_((torch.remainder(cur - self.phases[layer], self.interval) == 0) | (cur == 0))
+        self.anchor[layer].copy_(torch.where(due, self.page, self.anchor[layer]))
 
     def begin_eager_step(self) -> StepPlan:
         """:meth:`advance`, plus the host's exact plan of the same step."""

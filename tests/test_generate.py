@@ -128,7 +128,7 @@ def test_batch_repeat_interleave_and_select():
         assert torch.equal(layer.gather_tokens(layer.seq_len)[0], x[[1, 0]])
 
 
-def test_pipeline_builds_a_fresh_cache_per_call():
+def test_pipeline_gives_every_call_an_empty_cache_reusing_a_sized_one_that_fits():
     from conftest import word_tokenizer
 
     tok = word_tokenizer()
@@ -140,11 +140,20 @@ def test_pipeline_builds_a_fresh_cache_per_call():
     ref = pipeline("text-generation", model=dense, tokenizer=tok)
     prompts = [" ".join(f"w{(7 * i + j) % 90 + 2}" for j in range(n)) for i, n in enumerate([15, 26])]
     kw = dict(max_new_tokens=8, do_sample=False, return_full_text=False)
-    got = pipe(prompts, **kw)
+    got = pipe(prompts, **kw)  # one forward per prompt: the second needs 26 + 8 tokens, more than the first's
     first_cache = pipe.last_cache
     assert got == ref(prompts, **kw)
-    assert first_cache.get_seq_length() > 0
-    assert pipe(prompts[:1], **kw) == ref(prompts[:1], **kw) and pipe.last_cache is not first_cache
+    assert first_cache.get_seq_length() > 0 and first_cache.max_tokens == 26 + 8
+    buffers = [t.data_ptr() for t in first_cache.layers[0].buffers()]
+    # 15 + 8 tokens fit the last call's cache: reset and reused, buffers at the same addresses, same tokens
+    assert pipe(prompts[:1], **kw) == ref(prompts[:1], **kw) and pipe.last_cache is first_cache
+    assert [t.data_ptr() for t in first_cache.layers[0].buffers()] == buffers
+    assert pipe.last_cache.get_seq_length() == 15 + 7
+    # a longer call than the cache holds gets a new one; so does a call with no max_new_tokens (a growing cache)
+    long = " ".join(f"w{j % 90 + 2}" for j in range(40))
+    assert pipe(long, **kw) == ref(long, **kw) and pipe.last_cache is not first_cache
+    grown = pipe.last_cache
+    assert pipe(prompts[:1], do_sample=False, return_full_text=False) is not None and pipe.last_cache is not grown
     with pytest.raises(ValueError, match="makes its own cache"):
         pipe(prompts[:1], past_key_values=DynamicCache(), **kw)
 

@@ -15,13 +15,14 @@ def test_eager_plan_and_device_state_agree_over_pages_and_reranks():
     anchor = None
     for pos in range(6, 30):
         plan = st.begin_eager_step()
+        st.begin_layer(0)
         step = pos - 6
         assert int(st.pos) == pos and int(st.length) == pos + 1 and int(st.num_pages) == pos // 4 + 1
         assert plan.new_page == bool(st.new_page) == (pos % 4 == 0)
         assert plan.page_full == bool(st.page_full) == (pos % 4 == 3)
-        assert plan.stable_due == (bool(st.due),) == (step % 3 == 0,)
+        assert plan.stable_due == (bool(st.due_of(0)),) == (step % 3 == 0,)
         anchor = pos // 4 if step % 3 == 0 else anchor
-        assert int(st.anchor) == anchor
+        assert int(st.anchor_of(0)) == anchor
     assert st.counters.read()["decode_steps"] == 24
 
 
@@ -32,8 +33,10 @@ def test_staggered_phases_rerank_each_layer_every_r_steps_and_all_on_step_zero()
     last = [None] * len(phases)
     for step in range(13):
         plan = st.begin_eager_step()
+        for i in range(len(phases)):
+            st.begin_layer(i)
         want = tuple(step == 0 or (step - ph) % R == 0 for ph in phases)
-        assert plan.stable_due == want == tuple(st.due.tolist())
+        assert plan.stable_due == want == tuple(bool(d) for d in st.due)
         assert all(bool(st.due_of(i)) == want[i] and plan.due(i) == want[i] for i in range(len(phases)))
         for i, d in enumerate(want):
             if d:
@@ -72,8 +75,19 @@ def test_one_schedule_per_device_follows_the_first_and_counts_steps_once():
     assert int(second.length) == 10 and second.host_length == 10
     for state in cache.states.values():
         state.begin_eager_step()
+        for layer in range(2):
+            state.begin_layer(layer)
     assert int(first.length) == int(second.length) == 11
-    assert bool(second.due.all()) and second.anchor.tolist() == [2, 2]
+    assert all(bool(d) for d in second.due) and [int(a) for a in second.anchor] == [2, 2]
     assert cache.stats.decode_steps == 1  # counted by the first device's schedule only
     cache.reset()
     assert not cache.states
+
+
+def test_each_layer_reads_its_schedule_from_scalars_of_its_own():
+    """A compiled step reads per-layer scalars through pointers: no layer's scalar is a view into a shared tensor
+    (a constant index would make every layer's generated kernels a different program, compiled once per layer)."""
+    st = DecodeState("cpu", page_size=4, rerank_interval=4, capacity=None, phases=(0, 1, 2))
+    ptrs = {t.untyped_storage().data_ptr() for t in st.buffers()}
+    assert len(ptrs) == len(st.buffers())
+    assert all(st.due_of(i).storage_offset() == st.anchor_of(i).storage_offset() == 0 for i in range(3))

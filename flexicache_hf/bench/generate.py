@@ -410,7 +410,8 @@ class HostLimitError(RuntimeError):
 # ---- the GPU side -----------------------------------------------------------------------------------------
 def pinned_stats() -> dict:
     st = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
-    return {"pinned_bytes": st.get("allocated_bytes.current", 0), "pinned_allocs": st.get("num_host_alloc", 0)}
+    return {"pinned_bytes": st.get("allocated_bytes.current", 0), "pinned_allocs": st.get("num_host_alloc", 0),
+            "pinned_locked": st.get("allocated_bytes.allocated", 0)}  # bytes ever page-locked
 
 
 def empty_host_cache() -> None:
@@ -506,6 +507,7 @@ def generate_once(model, ids, row: str, args, new: int, *, profile=None, stop_af
     graphs1, cg1 = dynamo_counts()
     res.update(peak_gpu_bytes=torch.cuda.max_memory_allocated(), pinned_bytes=after["pinned_bytes"],
                pinned_allocs_during=after["pinned_allocs"] - before["pinned_allocs"],
+               pinned_bytes_added=after["pinned_locked"] - before["pinned_locked"],
                dynamo_graphs_added=graphs1 - graphs0, batch=ids.shape[0], prompt_tokens=ids.shape[1],
                compiled=is_compiled(row) and not eager)
     cg = {k: v - cg0.get(k, 0) for k, v in cg1.items() if v - cg0.get(k, 0)}
@@ -565,8 +567,10 @@ def run_row(model, ids, row, args, profile, warmed: set, *, again: bool = True) 
         elif row not in warmed:
             generate_once(model, ids[:1, :1024], row, args, 8, profile=profile)
             warmed.add(row)
+        cache = None
         for name in names:
             current = name
+            cache = None  # the previous fresh cache dies first: its pinned blocks are what the next one reuses
             gc.collect()
             res, cache, _ = generate_once(model, ids, row, args, new, profile=profile)
             if name == row:

@@ -299,7 +299,7 @@ def test_copy_rows_device_host_both_ways_through_the_driver(dtype):
 def test_fresh_cache_of_the_same_shape_reuses_pinned_blocks():
     """Pinned host tiers come from torch's caching host allocator: a second cache allocates nothing new."""
     from conftest import tiny_config
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, DynamicCache
 
     import flexicache_hf  # noqa: F401
     from flexicache_hf import FlexiCache, HeadProfile
@@ -310,18 +310,26 @@ def test_fresh_cache_of_the_same_shape_reuses_pinned_blocks():
     ids = torch.randint(2, 96, (2, 700), device=DEV)
     prof = HeadProfile.random(cfg, 0.25)
 
-    def run():
-        cache = FlexiCache(prof, token_budget=128, max_cache_len=740)
+    def run(cache):
         out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=40,
                              do_sample=False)
-        return out, cache.host_bytes()
+        return out, getattr(cache, "host_bytes", lambda: 0)()
 
-    first, host_bytes = run()
-    gc.collect()  # a cache and its layers reference each other: their blocks return at collection
-    torch.cuda.synchronize()
-    before = torch.cuda.host_memory_stats()["num_host_alloc"]
-    again, _ = run()
-    torch.cuda.synchronize()
+    def pinned():
+        gc.collect()  # a cache and its layers reference each other: their blocks return at collection
+        torch.cuda.synchronize()
+        st = torch.cuda.host_memory_stats()
+        return st["num_host_alloc"], st["allocated_bytes.allocated"]  # bytes ever page-locked
+
+    first, host_bytes = run(FlexiCache(prof, token_budget=128, max_cache_len=740))
+    allocs0, reserved0 = pinned()
+    run(DynamicCache())  # what generate itself allocates in pinned memory per call (a flag or two)
+    allocs1, reserved1 = pinned()
+    again, _ = run(FlexiCache(prof, token_budget=128, max_cache_len=740))
+    allocs2, reserved2 = pinned()
     assert torch.equal(first, again) and host_bytes > 0
-    stats = torch.cuda.host_memory_stats()
-    assert stats["num_host_alloc"] == before, {k: v for k, v in stats.items() if "alloc" in k or "bytes" in k}
+    # The second cache's host tier is the first one's blocks: nothing of its size is page-locked again.  (The
+    # allocation count is no measure: the first compiled generate after a cache change pins one 1-byte flag,
+    # measured on the H200 with torch 2.11 -- 1 allocation, 1 byte -- and never again.)
+    assert reserved2 - reserved1 < host_bytes / 64, (reserved0, reserved1, reserved2, host_bytes)
+    assert allocs2 - allocs1 <= 1, (allocs0, allocs1, allocs2)
