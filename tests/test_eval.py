@@ -16,7 +16,7 @@ from flexicache_hf.eval.eviction import EvictionCache, LServeLayer, lserve_cache
 from flexicache_hf.eval.grids import EvalConfig, full, only
 from flexicache_hf.eval.policies import Policy, ProfileSource, make_cache
 from flexicache_hf.eval.scorers import agreement_length, contains, lcs_length, match_all, rouge_l
-from flexicache_hf.eval.tasks import make_samples, render, task_makers
+from flexicache_hf.eval.tasks import make_samples, render, render_split, task_makers
 
 
 class CharTokenizer:
@@ -257,6 +257,76 @@ def test_greedy_batch_stops_rows_independently(model):
     assert rows[0] == free[0][:3]
     cut = next((i + 1 for i, t in enumerate(free[1]) if t in stop), 8)
     assert rows[1] == free[1][:cut]
+
+
+def test_question_after_context_splits_the_same_prompt_and_decodes_the_same_when_nothing_is_evicted(model):
+    """render_split gives render's tokens in two chunks (context first); fed in order, a cache that keeps
+    everything decodes what one prompt forward gives, and a budget-capped eviction cache compresses the context
+    before it sees the question (its stored tokens after the context chunk do not depend on the question)."""
+    tok = CharTokenizer()
+    profiles = ProfileSource(model.config, None)
+    (s,) = make_samples(tok, "niah_single", 300, 1, seed=2)
+    whole = render(tok, s.context, s.question, s.answer_prefix)
+    head, tail = render_split(tok, s.context, s.question, s.answer_prefix)
+    assert torch.equal(torch.cat([head, tail], 1), whole)
+    assert head[0].tolist() == tok.encode(s.context)  # the context, and nothing of the question
+    assert tail[0].tolist()[: len(s.question) + 2] == tok.encode(f"\n\n{s.question}")
+    for p in (Policy("dense"), Policy("flexicache", 1024, 16, 0.5), Policy("quest", 1024)):
+        one = greedy(model, whole, make_cache(p, model.config, whole.shape[1], profiles), 12)
+        two = greedy(model, (head, tail), make_cache(p, model.config, whole.shape[1], profiles), 12)
+        assert one == two, p.label
+    kept = []
+    for question in (s.question, "What is the secret?"):
+        cache = snapkv_cache(2, 48, window=8)
+        h, t = render_split(tok, s.context, question, s.answer_prefix)
+        assert torch.equal(h, head)
+        from flexicache_hf.eval.query_capture import capture_queries
+        with capture_queries(model), torch.inference_mode():
+            model(input_ids=h, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        kept.append(cache.layers[0].keys.clone())
+    assert torch.equal(kept[0], kept[1])  # chosen before the question exists
+    with pytest.raises(ValueError, match="nothing to store"):
+        render_split(tok, "", s.question, s.answer_prefix)
+
+
+def test_question_chunk_takes_a_token_that_spans_the_boundary():
+    """A tokenizer with a ``".\n\n"`` token (Qwen2's has such merges): the cut falls before it, and the two chunks
+    are still exactly the one-prompt tokens."""
+
+    class Merging(CharTokenizer):
+        MERGED = 126  # the one multi-character token
+
+        def _pieces(self, text):
+            i = 0
+            while i < len(text):
+                n = 3 if text.startswith(".\n\n", i) else 1
+                yield i, i + n
+                i += n
+
+        def encode(self, text, add_special_tokens=False):
+            return [self.MERGED if b - a == 3 else ord(text[a]) % 125 + 1 for a, b in self._pieces(text)]
+
+        def __call__(self, text, return_offsets_mapping=False, **kw):
+            out = {"input_ids": self.encode(text)}
+            if return_offsets_mapping:
+                out["offset_mapping"] = list(self._pieces(text))
+            return out
+
+    tok = Merging()
+    head, tail = render_split(tok, "A context ends.", "Which one?", "Answer:")
+    assert torch.equal(torch.cat([head, tail], 1), render(tok, "A context ends.", "Which one?", "Answer:"))
+    assert head[0].tolist() == tok.encode("A context ends") and tail[0, 0] == Merging.MERGED
+
+
+def test_runner_feeds_the_question_after_the_context_when_configured(model, tmp_path):
+    cfg = EvalConfig(name="test", tasks=("niah_single",), task_length=200, samples=1, budgets=(1 / 4,),
+                     families=("flexicache", "snapkv"), rerank_intervals=(), unstable_fractions=(), reach_lengths=(),
+                     fidelity_docs=0, question_after_context=True)
+    results = runner.run(model, CharTokenizer(), cfg, profile_name=None, progress=False)
+    assert results["question_after_context"] and results["tasks"]
+    assert all(r["question_tokens"] and r["question_tokens"] < r["context_tokens"] for r in results["tasks"])
+    report.write(results, cfg, tmp_path, "cmd", "### test")
+    assert "then the question" in (tmp_path / "report.md").read_text()
 
 
 # ---- end to end ----------------------------------------------------------------------------------------

@@ -257,6 +257,12 @@ def test_oracle_grids():
         for b in budgets:
             assert {f"{f}@{b}" for f in ("quest", "streaming", "snapkv", "lserve-R16", "flexicache-R16-u25",
                                           "flexicache-R16-u25-random")} <= labels
+    for name, base in (("qwen-16k-later-question", "qwen-16k"), ("qwen-32k-later-question", "qwen-32k")):
+        later, same = cfgs[name](), cfgs[base]()
+        assert later.question_after_context and not same.question_after_context and later.fidelity_docs == 0
+        assert later.task_policies() == same.task_policies() and later.task_length == same.task_length
+    lq, qp = cfgs["later-question-cpu"](), cfgs["question-in-prompt-cpu"]()
+    assert lq.question_after_context and not qp.question_after_context and lq.task_policies() == qp.task_policies()
     sel, p8 = cfgs["select-16k"](), cfgs["select-16k-pages8"]()
     assert sel.fidelity_prompt == 16384 and p8.page_size == 8 and sel.page_size == 16
     assert [p.label for p in sel.fidelity_policies()][:4] == ["dense", "flexicache-R16-u25@1024",

@@ -36,15 +36,17 @@ def stop_ids(model, tokenizer) -> set[int]:
 
 
 @torch.inference_mode()
-def greedy(model, prompt: torch.Tensor, cache, max_new_tokens: int,
+def greedy(model, prompt: torch.Tensor | tuple[torch.Tensor, ...], cache, max_new_tokens: int,
            stop: set[int] = frozenset()) -> list[list[int]]:
-    """Greedy tokens of each row after ``prompt [B, T]``; a row ends after a token in ``stop`` (kept) or
-    ``max_new_tokens``.  A finished row keeps being fed its last token until every row is done, and its
-    output is not extended."""
-    rows: list[list[int]] = [[] for _ in range(prompt.shape[0])]
+    """Greedy tokens of each row after ``prompt [B, T]`` (or a tuple of prompt chunks, fed one forward each, in
+    order); a row ends after a token in ``stop`` (kept) or ``max_new_tokens``.  A finished row keeps being fed its
+    last token until every row is done, and its output is not extended."""
+    chunks = (prompt,) if isinstance(prompt, torch.Tensor) else tuple(prompt)
+    rows: list[list[int]] = [[] for _ in range(chunks[0].shape[0])]
     done = [False] * len(rows)
     with capture_queries(model):
-        logits = _forward(model, prompt, cache)
+        for chunk in chunks:
+            logits = _forward(model, chunk, cache)
         while True:
             toks = logits.argmax(-1).tolist()
             for r, tok in enumerate(toks):

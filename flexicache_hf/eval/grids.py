@@ -15,6 +15,9 @@ class EvalConfig:
     name: str
     tasks: tuple[str, ...] = ALL_TASKS
     task_length: int = 800  # prompt tokens of the retrieval tasks: where dense SmolLM2-135M still scores
+    # Task prompts fed as two chunks, the context and then the question (tasks.render_split): the cache holds (an
+    # eviction baseline compresses) the context before the question is known.  False: one prompt forward.
+    question_after_context: bool = False
     samples: int = 4  # per task
     budgets: tuple[float, ...] = (1 / 16, 1 / 8, 1 / 4)  # fractions of each task prompt
     families: tuple[str, ...] = ("flexicache", "quest", "streaming", "snapkv", "lserve")
@@ -312,6 +315,27 @@ def mass_tasks_cpu() -> EvalConfig:
                    fidelity_docs=0)
 
 
+def later_question_cpu() -> EvalConfig:
+    """``full``'s four needle tasks (~800 tokens, SmolLM2, 3 samples) at 1/8 and 1/4, with the context fed before
+    the question (``question_after_context``): a context cached once and asked about afterwards.  Permanent eviction
+    then chooses without the question; FlexiCache still ranks every page with it.  Every family (~30 min, CPU)."""
+    return replace(full(), name="later-question-cpu", tasks=ALL_TASKS[:4], samples=3, reach_lengths=(),
+                   budgets=(1 / 8, 1 / 4),
+                   rerank_intervals=(), unstable_fractions=(), task_extra=(), fidelity_docs=0,
+                   question_after_context=True)
+
+
+def question_in_prompt_cpu() -> EvalConfig:
+    """``later-question-cpu``'s samples and policies with the question in the one prompt forward (the control)."""
+    return replace(later_question_cpu(), name="question-in-prompt-cpu", question_after_context=False)
+
+
+def _later_question(cfg: EvalConfig) -> EvalConfig:
+    """A Qwen task grid with the question fed after the context (no fidelity part: it has no question)."""
+    return replace(cfg, name=f"{cfg.name}-later-question", question_after_context=True, fidelity_docs=0,
+                   fidelity_extra=())
+
+
 def profiles_qwen_cpu() -> EvalConfig:
     """Does Qwen2.5-Coder-0.5B's measured profile beat a random one of the same size?  CPU-sized: 2 documents of
     4,096 prompt tokens + 32 dense tokens, teacher-forced, budget 256 (1/16): FlexiCache R16 with the measured and
@@ -330,4 +354,7 @@ def named_configs() -> dict:
             "oracle-16k-pages8": oracle_16k_pages8, "oracle-cpu": oracle_cpu,
             "oracle-qwen-cpu": oracle_qwen_cpu, "qwen-8k": qwen_8k, "qwen-16k": qwen_16k, "qwen-32k": qwen_32k,
             "select-16k": select_16k, "select-16k-pages8": select_16k_pages8, "select-cpu": select_cpu,
-            "profiles-qwen-cpu": profiles_qwen_cpu, "mass-tasks-cpu": mass_tasks_cpu}
+            "profiles-qwen-cpu": profiles_qwen_cpu, "mass-tasks-cpu": mass_tasks_cpu,
+            "later-question-cpu": later_question_cpu, "question-in-prompt-cpu": question_in_prompt_cpu,
+            "qwen-16k-later-question": lambda: _later_question(qwen_16k()),
+            "qwen-32k-later-question": lambda: _later_question(qwen_32k())}

@@ -13,7 +13,7 @@ from . import fidelity
 from .decoding import greedy, stop_ids
 from .grids import EvalConfig
 from .policies import Policy, ProfileSource, make_cache
-from .tasks import make_samples, render
+from .tasks import make_samples, render, render_split
 
 
 def run(model, tokenizer, cfg: EvalConfig, *, profile_name: str | None, corpus=None, progress: bool = True,
@@ -38,15 +38,17 @@ def run(model, tokenizer, cfg: EvalConfig, *, profile_name: str | None, corpus=N
     late = lambda: max_seconds is not None and time.time() - t0 > max_seconds  # noqa: E731
 
     def answer(sample, policy: Policy, ids) -> dict:
-        cache = make_cache(policy, model.config, ids.shape[1], profiles, page_size=cfg.page_size,
-                           kernels=kernels)
-        (out,) = greedy(model, ids, cache, sample.max_new_tokens, stop)
+        chunks = (ids,) if isinstance(ids, torch.Tensor) else ids
+        n = sum(c.shape[1] for c in chunks)
+        cache = make_cache(policy, model.config, n, profiles, page_size=cfg.page_size, kernels=kernels)
+        (out,) = greedy(model, chunks, cache, sample.max_new_tokens, stop)
         text = tokenizer.decode(out, skip_special_tokens=True)
         bar.update()
         return {"task": sample.task, "index": sample.index, "policy": policy.label, "family": policy.family,
                 "budget": policy.budget, "rerank_interval": policy.rerank_interval,
-                "unstable_fraction": policy.unstable_fraction, "context_tokens": ids.shape[1],
-                "budget_tokens": None if policy.family == "dense" else policy.budget_tokens(ids.shape[1], cfg.page_size),
+                "unstable_fraction": policy.unstable_fraction, "context_tokens": n,
+                "question_tokens": chunks[-1].shape[1] if len(chunks) > 1 else None,
+                "budget_tokens": None if policy.family == "dense" else policy.budget_tokens(n, cfg.page_size),
                 "answers": list(sample.answers), "output": text, "score": sample.score(text)}
 
     reach = []
@@ -65,7 +67,8 @@ def run(model, tokenizer, cfg: EvalConfig, *, profile_name: str | None, corpus=N
             break
         for task in cfg.tasks:
             s = samples[task][i]
-            ids = render(tokenizer, s.context, s.question, s.answer_prefix)
+            ids = (render_split if cfg.question_after_context else render)(tokenizer, s.context, s.question,
+                                                                            s.answer_prefix)
             for p in task_policies:
                 bar.set_postfix_str(f"{task} #{i} {p.label}")
                 tasks.append(answer(s, p, ids))
@@ -91,5 +94,5 @@ def run(model, tokenizer, cfg: EvalConfig, *, profile_name: str | None, corpus=N
                             "length": len(ref.continuation), **row})
             bar.update(len(refs))
     bar.close()
-    return {"reach": reach, "tasks": tasks, "fidelity": fid, "profiles_used": {str(k): v for k, v in profiles.used.items()},
+    return {"question_after_context": cfg.question_after_context, "reach": reach, "tasks": tasks, "fidelity": fid, "profiles_used": {str(k): v for k, v in profiles.used.items()},
             "seconds": time.time() - t0, "truncated": skipped}

@@ -48,19 +48,53 @@ def encode_text(tokenizer, text: str) -> list[int]:
     return token_ids(tokenizer.encode(text, add_special_tokens=False))
 
 
-def render(tokenizer, context: str, question: str, answer_prefix: str) -> torch.LongTensor:
-    """Prompt ``[1, T]``: one user turn (context, then question) and the answer prefix the model continues.
-
-    Uses the tokenizer's chat template when it has one (instruct models), plain text otherwise.
-    """
+def _turn_text(tokenizer, context: str, question: str) -> str:
+    """The prompt's text before the answer prefix: one user turn (context, then question), through the chat
+    template when the tokenizer has one (instruct models), plain text otherwise."""
     user = f"{context}\n\n{question}" if context else question
     if getattr(tokenizer, "chat_template", None):
-        head = token_ids(tokenizer.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True,
-                                                  tokenize=True, return_dict=False))
-        ids = head + encode_text(tokenizer, answer_prefix)
-    else:
-        ids = encode_text(tokenizer, f"{user}\n{answer_prefix}")
+        return tokenizer.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True,
+                                             tokenize=False)
+    return f"{user}\n"
+
+
+def render(tokenizer, context: str, question: str, answer_prefix: str) -> torch.LongTensor:
+    """Prompt ``[1, T]``: one user turn (context, then question) and the answer prefix the model continues."""
+    ids = encode_text(tokenizer, _turn_text(tokenizer, context, question)) + encode_text(tokenizer, answer_prefix)
     return torch.tensor([ids], dtype=torch.long)
+
+
+def render_split(tokenizer, context: str, question: str, answer_prefix: str) -> tuple[torch.LongTensor, ...]:
+    """:func:`render`'s prompt as two chunks ``([1, T1], [1, T2])``: everything through the context, then the
+    question with the answer prefix.  Fed one after the other, the cache holds the context before the question
+    exists: a query-aware eviction baseline compresses it without knowing what will be asked (the setting of a
+    context cached once and asked about later), while FlexiCache keeps every page and ranks them with the
+    question's queries.  Together the chunks are exactly ``render``'s tokens: the cut falls after the last token
+    that ends inside the context (a token spanning the boundary, such as ``".\n\n"``, goes with the question)."""
+    if not context:
+        raise ValueError("a prompt without a context has nothing to store before the question")
+    text = _turn_text(tokenizer, context, question)
+    cut = text.rfind(f"\n\n{question}")
+    whole = encode_text(tokenizer, text)
+    k = _tokens_within(tokenizer, text, cut, whole)
+    tail = whole[k:] + encode_text(tokenizer, answer_prefix)
+    return torch.tensor([whole[:k]], dtype=torch.long), torch.tensor([tail], dtype=torch.long)
+
+
+def _tokens_within(tokenizer, text: str, cut: int, whole: list[int]) -> int:
+    """How many leading tokens of ``whole`` (the tokens of ``text``) end at or before character ``cut``."""
+    try:  # fast tokenizers say where each token ends
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        offsets = enc["offset_mapping"]
+    except (TypeError, KeyError, NotImplementedError, ValueError):
+        offsets = None
+    if offsets is not None and len(offsets) == len(whole):
+        return next((i for i, (_, end) in enumerate(offsets) if end > cut), len(whole))
+    head = encode_text(tokenizer, text[:cut])  # others: the context's own tokens, where they start the prompt's
+    k = len(head)
+    while k and whole[:k] != head[:k]:
+        k -= 1
+    return k
 
 
 # ---- haystacks -------------------------------------------------------------------------------------
