@@ -261,6 +261,8 @@ def test_oracle_grids():
         later, same = cfgs[name](), cfgs[base]()
         assert later.question_after_context and not same.question_after_context and later.fidelity_docs == 0
         assert later.task_policies() == same.task_policies() and later.task_length == same.task_length
+    pb = {p.label for p in cfgs["profiles-qwen-cpu-budgets"]().fidelity_policies()}
+    assert pb == {"dense"} | {f"flexicache-R16-u25{k}@{b}" for b in (512, 1024) for k in ("", "-random")}
     lq, qp = cfgs["later-question-cpu"](), cfgs["question-in-prompt-cpu"]()
     assert lq.question_after_context and not qp.question_after_context and lq.task_policies() == qp.task_policies()
     sel, p8 = cfgs["select-16k"](), cfgs["select-16k-pages8"]()

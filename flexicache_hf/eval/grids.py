@@ -347,6 +347,13 @@ def profiles_qwen_cpu() -> EvalConfig:
                       fidelity_families=(), fidelity_free_run=False, fidelity_extra=extra)
 
 
+def profiles_qwen_cpu_budgets() -> EvalConfig:
+    """``profiles-qwen-cpu`` at the larger budgets 512 (1/8) and 1024 (1/4), group maximum (the default): does the
+    measured profile's lead over a random one hold as the budget grows?  (~12 min on 2 cores.)"""
+    extra = tuple(Policy("flexicache", b, 16, 0.25, kind) for b in (512, 1024) for kind in ("measured", "random"))
+    return replace(profiles_qwen_cpu(), name="profiles-qwen-cpu-budgets", fidelity_extra=extra)
+
+
 def named_configs() -> dict:
     return {"tiny": tiny, "full": full, "gpu-short": gpu_short, "fidelity-3k": fidelity_3k,
             "profiles-3k": profiles_3k, "sinks-3k": sinks_3k, "recency-8k": recency_8k,
@@ -355,6 +362,6 @@ def named_configs() -> dict:
             "oracle-qwen-cpu": oracle_qwen_cpu, "qwen-8k": qwen_8k, "qwen-16k": qwen_16k, "qwen-32k": qwen_32k,
             "select-16k": select_16k, "select-16k-pages8": select_16k_pages8, "select-cpu": select_cpu,
             "profiles-qwen-cpu": profiles_qwen_cpu, "mass-tasks-cpu": mass_tasks_cpu,
-            "later-question-cpu": later_question_cpu, "question-in-prompt-cpu": question_in_prompt_cpu,
+            "profiles-qwen-cpu-budgets": profiles_qwen_cpu_budgets, "later-question-cpu": later_question_cpu, "question-in-prompt-cpu": question_in_prompt_cpu,
             "qwen-16k-later-question": lambda: _later_question(qwen_16k()),
             "qwen-32k-later-question": lambda: _later_question(qwen_32k())}
