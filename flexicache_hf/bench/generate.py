@@ -567,7 +567,6 @@ def run_row(model, ids, row, args, profile, warmed: set, *, again: bool = True) 
         elif row not in warmed:
             generate_once(model, ids[:1, :1024], row, args, 8, profile=profile)
             warmed.add(row)
-        cache = None
         for name in names:
             current = name
             cache = None  # the previous fresh cache dies first: its pinned blocks are what the next one reuses

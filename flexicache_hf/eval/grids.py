@@ -320,8 +320,7 @@ def later_question_cpu() -> EvalConfig:
     the question (``question_after_context``): a context cached once and asked about afterwards.  Permanent eviction
     then chooses without the question; FlexiCache still ranks every page with it.  Every family (~30 min, CPU)."""
     return replace(full(), name="later-question-cpu", tasks=ALL_TASKS[:4], samples=3, reach_lengths=(),
-                   budgets=(1 / 8, 1 / 4),
-                   rerank_intervals=(), unstable_fractions=(), task_extra=(), fidelity_docs=0,
+                   budgets=(1 / 8, 1 / 4), rerank_intervals=(), unstable_fractions=(), task_extra=(), fidelity_docs=0,
                    question_after_context=True)
 
 
@@ -362,6 +361,7 @@ def named_configs() -> dict:
             "oracle-qwen-cpu": oracle_qwen_cpu, "qwen-8k": qwen_8k, "qwen-16k": qwen_16k, "qwen-32k": qwen_32k,
             "select-16k": select_16k, "select-16k-pages8": select_16k_pages8, "select-cpu": select_cpu,
             "profiles-qwen-cpu": profiles_qwen_cpu, "mass-tasks-cpu": mass_tasks_cpu,
-            "profiles-qwen-cpu-budgets": profiles_qwen_cpu_budgets, "later-question-cpu": later_question_cpu, "question-in-prompt-cpu": question_in_prompt_cpu,
+            "profiles-qwen-cpu-budgets": profiles_qwen_cpu_budgets, "later-question-cpu": later_question_cpu,
+            "question-in-prompt-cpu": question_in_prompt_cpu,
             "qwen-16k-later-question": lambda: _later_question(qwen_16k()),
             "qwen-32k-later-question": lambda: _later_question(qwen_32k())}

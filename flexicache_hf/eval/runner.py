@@ -94,5 +94,6 @@ def run(model, tokenizer, cfg: EvalConfig, *, profile_name: str | None, corpus=N
                             "length": len(ref.continuation), **row})
             bar.update(len(refs))
     bar.close()
-    return {"question_after_context": cfg.question_after_context, "reach": reach, "tasks": tasks, "fidelity": fid, "profiles_used": {str(k): v for k, v in profiles.used.items()},
-            "seconds": time.time() - t0, "truncated": skipped}
+    return {"question_after_context": cfg.question_after_context, "reach": reach, "tasks": tasks, "fidelity": fid,
+            "profiles_used": {str(k): v for k, v in profiles.used.items()}, "seconds": time.time() - t0,
+            "truncated": skipped}

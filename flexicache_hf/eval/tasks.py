@@ -91,10 +91,7 @@ def _tokens_within(tokenizer, text: str, cut: int, whole: list[int]) -> int:
     if offsets is not None and len(offsets) == len(whole):
         return next((i for i, (_, end) in enumerate(offsets) if end > cut), len(whole))
     head = encode_text(tokenizer, text[:cut])  # others: the context's own tokens, where they start the prompt's
-    k = len(head)
-    while k and whole[:k] != head[:k]:
-        k -= 1
-    return k
+    return next((i for i, (a, b) in enumerate(zip(whole, head)) if a != b), min(len(whole), len(head)))
 
 
 # ---- haystacks -------------------------------------------------------------------------------------
