@@ -270,6 +270,10 @@ def test_oracle_grids():
     assert [p.label for p in sel.fidelity_policies()][:4] == ["dense", "flexicache-R16-u25@1024",
                                                               "flexicache-R16-u25-mass@1024", "quest-mass@1024"]
     assert all(p.group_score == "mass" for p in p8.fidelity_policies()[1:])
+    rest = cfgs["select-16k-rest"]()
+    assert rest.page_size == 8 and rest.fidelity_prompt == 16384 and [p.label for p in rest.fidelity_policies()] == [
+        "dense", "quest-mass@2048", "flexicache-R16-u25-random-mass@1024", "flexicache-R16-u25-mass@2048",
+        "flexicache-R16-u25-random-mass@2048"]
     assert {p.label for p in cfgs["profiles-qwen-cpu"]().fidelity_policies()} == {
         "dense", "flexicache-R16-u25@256", "flexicache-R16-u25-random@256", "flexicache-R16-u25-mass@256",
         "flexicache-R16-u25-random-mass@256"}

@@ -298,6 +298,16 @@ def select_16k_pages8() -> EvalConfig:
     return replace(select_16k(), name="select-16k-pages8", page_size=8, fidelity_extra=out)
 
 
+def select_16k_rest() -> EvalConfig:
+    """What :func:`select_16k_pages8` left unmeasured (8-token pages, mass): the every-step twin at 2048 (is R16
+    within 0.02 of it?), a random profile of the same size at 1024 and 2048 (does the measured one beat it?), and
+    the measured row at 2048 again, for a same-run comparison."""
+    out = (Policy("quest", 2048, group_score="mass"), Policy("flexicache", 1024, 16, 0.25, "random", group_score="mass"),
+           Policy("flexicache", 2048, group_score="mass"),
+           Policy("flexicache", 2048, 16, 0.25, "random", group_score="mass"))  # most wanted first
+    return replace(select_16k(), name="select-16k-rest", page_size=8, fidelity_extra=out)
+
+
 def select_cpu() -> EvalConfig:
     """``select-16k``'s question on the embedded SmolLM2 (3 query heads per KV head), CPU-sized like
     ``oracle-cpu``: 2 documents of 2,048 prompt tokens + 64 dense tokens, teacher-forced, budget 256: FlexiCache
@@ -359,7 +369,8 @@ def named_configs() -> dict:
             "free-8k": free_8k, "pages8-tasks": pages8_tasks, "oracle-16k": oracle_16k,
             "oracle-16k-pages8": oracle_16k_pages8, "oracle-cpu": oracle_cpu,
             "oracle-qwen-cpu": oracle_qwen_cpu, "qwen-8k": qwen_8k, "qwen-16k": qwen_16k, "qwen-32k": qwen_32k,
-            "select-16k": select_16k, "select-16k-pages8": select_16k_pages8, "select-cpu": select_cpu,
+            "select-16k": select_16k, "select-16k-pages8": select_16k_pages8, "select-16k-rest": select_16k_rest,
+            "select-cpu": select_cpu,
             "profiles-qwen-cpu": profiles_qwen_cpu, "mass-tasks-cpu": mass_tasks_cpu,
             "profiles-qwen-cpu-budgets": profiles_qwen_cpu_budgets, "later-question-cpu": later_question_cpu,
             "question-in-prompt-cpu": question_in_prompt_cpu,
