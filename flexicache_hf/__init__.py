@@ -8,6 +8,7 @@ from .attention import register as _register
 from .cache import CacheStateError, CacheStats, FlexiCache, FlexiCacheLayer, PagedKV, UnsupportedModelError
 from .config import ConfigError, FlexiCacheConfig
 from .head_profile import HeadProfile, ModelIdentity, ProfileError, resolve_profile
+from .recycling import kept_storage_bytes, release_storage
 from .rerank import RerankEvent, SelectionObserver
 from .tiers import HostMemoryError
 
@@ -28,6 +29,8 @@ __all__ = [
     "RerankEvent",
     "SelectionObserver",
     "UnsupportedModelError",
+    "kept_storage_bytes",
+    "release_storage",
     "resolve_profile",
 ]
 __version__ = "0.1.0"

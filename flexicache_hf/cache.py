@@ -29,6 +29,7 @@ from .dense import dense_attention
 from .kernels import MAX_SELECT_PAGES, KernelOps, ops_for
 from .pages import PagePool, PoolLayout, grown_capacity, num_pages
 from .head_profile import HeadProfile, resolve_profile
+from .recycling import KEEPER
 from .rerank import RerankEvent, Reranker, SelectionObserver
 from .sharding import TensorParallel, kv_head_shard, tp_size_of
 from .state import GRAPH_PLAN, DecodeState, DeviceCounters, StepPlan
@@ -723,8 +724,31 @@ class FlexiCache(Cache):
         ]
         super().__init__(layers=layers)
         self.guard = ForwardGuard(len(layers))
+        if self.max_tokens is not None and observer is None:  # dropped, its storage serves the next cache of its
+            # shape (recycling.py: same buffers, so a compiled step replays the CUDA graphs already recorded)
+            weakref.finalize(self, KEEPER.keep, self._storage_key(), self.layers, self.states).atexit = False
         if model_config is not None:
             self.check_model(model_config)
+
+    def _storage_key(self) -> tuple:
+        """What fixes the layers' storage before the first forward (batch, dtype and device are checked there)."""
+        return (type(self), self.profile.model, self.profile.unstable, self.config, self.max_tokens, self.kernels,
+                self.count_pages)
+
+    def _take_kept_storage(self, key_states: torch.Tensor) -> None:
+        """At the first forward of a new cache, before anything is allocated: take the storage of the last dropped
+        cache when it has this cache's shape and fits these states; any other kept storage is freed now (so kept
+        storage never stands beside a live cache's, and a loop that replaces its cache holds one at a time)."""
+        kept = KEEPER.take(self._storage_key())
+        if kept is None or self.max_tokens is None or self.observer is not None or not kept.layers[0]._fits(key_states):
+            return
+        for layer in kept.layers:  # emptied below, in place, as reset() empties a sized cache
+            layer._owner = weakref.ref(self)
+            layer.states = self.states
+            layer.host._used_elsewhere = _HostBytesOf(self)
+        self.layers[:] = kept.layers  # the same list and dict objects: this cache's finalizer holds them
+        self.states.update(kept.states)
+        self.reset()
 
     # ---- one forward at a time, through every layer --------------------------------------------------------
     def ensure_usable(self) -> None:
@@ -803,6 +827,8 @@ class FlexiCache(Cache):
         if torch.compiler.is_compiling():  # a decode step being captured: device state only (see graph_update)
             return self.layers[layer_idx].graph_update(key_states, value_states)
         try:
+            if layer_idx == 0 and not self.states and not self.guard.open:  # a new (or dropped-to-empty) cache
+                self._take_kept_storage(key_states)
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
         except BaseException as e:
             self.guard.note(e)

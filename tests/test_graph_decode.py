@@ -7,6 +7,8 @@ the whole decode forward traces in one piece (``fullgraph=True``), with every ke
 all per-step state on the device, so the program never changes from step to step.
 """
 
+import gc
+
 import pytest
 import torch
 from transformers import CompileConfig, DynamicCache
@@ -190,3 +192,30 @@ def test_row_selection_after_compiled_steps(setup):
         stored.append([torch.cat(layer.gather_tokens(layer.seq_len)) for layer in cache.layers])
     assert torch.equal(outs[0], outs[1])
     assert all(torch.equal(a, b) for a, b in zip(*stored))  # every stored token, host and device tiers
+
+
+def test_compiled_decode_on_a_new_cache_takes_the_dropped_ones_buffers(setup):
+    """A new cache of a dropped one's shape takes its buffers (recycling.py): the compiled steps run the same
+    program at the same addresses (on CUDA: the recorded graphs replay) and give a fresh cache's tokens."""
+    from flexicache_hf import release_storage
+
+    cfg, fc, _, ids, mask = setup
+    prof = HeadProfile.from_unstable(cfg, [(0, 1)])
+    make = lambda: FlexiCache(prof, page_size=4, token_budget=12, rerank_interval=4, max_cache_len=37 + 24)  # noqa: E731
+    release_storage()
+    cache = make()
+    run(fc, ids, mask, cache, 24, compiled=True)
+    ptrs = [t.data_ptr() for t in cache.layers[0].buffers()]
+    del cache
+    gc.collect()  # compiling left reference cycles holding the cache: the cyclic collector frees it
+    other = ids.roll(5, 1)
+    before = graphs()
+    new = make()
+    got = run(fc, other, mask, new, 24, compiled=True)
+    assert graphs() == before and [t.data_ptr() for t in new.layers[0].buffers()] == ptrs
+    del new  # a call that compiled nothing leaves no cycle: handed on at once
+    again = make()
+    assert torch.equal(run(fc, other, mask, again, 24, compiled=True), got)
+    assert graphs() == before and [t.data_ptr() for t in again.layers[0].buffers()] == ptrs
+    release_storage()
+    assert torch.equal(got, run(fc, other, mask, make(), 24, compiled=False))

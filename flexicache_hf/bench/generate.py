@@ -31,7 +31,9 @@ Rows:
   ``flexicache-again``: the second shows the pinned-memory pool reused and no warm-up left).
 * ``flexicache-graph``: the same cache config with ``generate``'s auto-compile (FlexiCache with a
   ``max_cache_len`` is compileable, like StaticCache), also twice: ``flexicache-graph-again`` is a second
-  fresh cache after compilation (its ``dynamo_graphs_added`` should be 0: no recompile).  Both flexicache rows
+  fresh cache after compilation (its ``dynamo_graphs_added`` should be 0: no recompile).  Each new cache takes
+  the storage of the one dropped before it (``storage_taken``; see ``recycling.py``), so its first step
+  replays the graphs the warm-up recorded.  Both flexicache rows
   then run once more on that last cache after ``cache.reset()`` (``-reset``): a sized cache keeps its buffers at
   their addresses, so a compiled step replays its recorded CUDA graphs (the first step shows it).
 
@@ -434,9 +436,24 @@ def dynamo_counts() -> tuple[int, dict]:
     return int(counters["stats"]["unique_graphs"]), {k: v for k, v in counters["inductor"].items() if "cudagraph" in k}
 
 
+def cudagraph_recordings() -> int | None:
+    """CUDA graphs cudagraph trees recorded so far on the current device (None when unknown)."""
+    try:
+        from torch._inductor.cudagraph_trees import get_manager
+
+        manager = get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+        return 0 if manager is None else int(repr(manager.graph_counter)[len("count("):-1])
+    except Exception:  # noqa: BLE001  (a private counter: report nothing rather than fail the row)
+        return None
+
+
 def release(model, *, compiled: bool) -> None:
-    """Free what a row left: its objects, cached blocks and, after a compiled row, the compiled code and graphs."""
+    """Free what a row left: its objects, the storage FlexiCache keeps from its last cache, cached blocks and,
+    after a compiled row, the compiled code and graphs."""
+    from ..recycling import release_storage
+
     gc.collect()
+    release_storage()
     if compiled:
         from torch import _dynamo
 
@@ -495,8 +512,11 @@ def generate_once(model, ids, row: str, args, new: int, *, profile=None, stop_af
         kw["past_key_values"] = cache
     else:
         kw["cache_implementation"] = "static" if is_compiled(row) else row
+    # A new FlexiCache that took a dropped one's storage (recycling.py) starts with its layers initialised
+    took = row.startswith("flexicache") and any(layer.is_initialized for layer in cache.layers)
     before = pinned_stats()
     graphs0, cg0 = dynamo_counts()
+    rec0 = cudagraph_recordings()
     torch.cuda.reset_peak_memory_stats()
     torch.cuda.synchronize()
     clock.t0 = time.perf_counter()
@@ -505,16 +525,19 @@ def generate_once(model, ids, row: str, args, new: int, *, profile=None, stop_af
     res = summarise(clock)
     after = pinned_stats()
     graphs1, cg1 = dynamo_counts()
+    rec1 = cudagraph_recordings()
     res.update(peak_gpu_bytes=torch.cuda.max_memory_allocated(), pinned_bytes=after["pinned_bytes"],
                pinned_allocs_during=after["pinned_allocs"] - before["pinned_allocs"],
                pinned_bytes_added=after["pinned_locked"] - before["pinned_locked"],
                dynamo_graphs_added=graphs1 - graphs0, batch=ids.shape[0], prompt_tokens=ids.shape[1],
                compiled=is_compiled(row) and not eager)
+    if rec0 is not None and rec1 is not None and rec1 >= rec0:
+        res["cudagraphs_recorded"] = rec1 - rec0  # 0: every compiled step replayed graphs recorded earlier
     cg = {k: v - cg0.get(k, 0) for k, v in cg1.items() if v - cg0.get(k, 0)}
     if cg:
         res["cudagraph_counters_added"] = cg
     if row.startswith("flexicache"):
-        res.update(promoted_pages=cache.stats.promoted_pages(), host_tier_bytes=cache.host_bytes(),
+        res.update(storage_taken=took, promoted_pages=cache.stats.promoted_pages(), host_tier_bytes=cache.host_bytes(),
                    device_kv_bytes=cache.device_bytes(), dense_kv_bytes=cache.dense_bytes(),
                    cache_is_compileable=bool(cache.is_compileable))
     return res, cache, out

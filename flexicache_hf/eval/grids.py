@@ -340,9 +340,11 @@ def question_in_prompt_cpu() -> EvalConfig:
 
 
 def _later_question(cfg: EvalConfig) -> EvalConfig:
-    """A Qwen task grid with the question fed after the context (no fidelity part: it has no question)."""
-    return replace(cfg, name=f"{cfg.name}-later-question", question_after_context=True, fidelity_docs=0,
-                   fidelity_extra=())
+    """A Qwen task grid with the question fed after the context: its families at its budgets (FlexiCache with the
+    measured profile, Quest-like and the eviction baselines; the variants of ``task_extra`` are left to the
+    question-in-prompt grid, which keeps a sample within ~20 s on an H200); no fidelity part (it has no question)."""
+    return replace(cfg, name=f"{cfg.name}-later-question", question_after_context=True, task_extra=(),
+                   fidelity_docs=0, fidelity_extra=())
 
 
 def profiles_qwen_cpu() -> EvalConfig:

@@ -4,8 +4,11 @@ CUDA graphs) exactly as it does StaticCache's, and the tokens are the eager path
 Run on a CUDA machine (never in CI).  Checks, per model: one compiled program for every step, no CUDA graph
 skipped (cudagraph trees count each skip with its reason), greedy tokens equal to the eager FlexiCache path
 token for token with a budget covering every page and with a budget of a quarter of the prompt, on a
-left-padded batch; SmolLM2 (real weights, fp32) when its GGUF is available, a tiny random Llama always.
+left-padded batch; a second cache takes the first one's storage and replays its CUDA graphs (records none);
+SmolLM2 (real weights, fp32) when its GGUF is available, a tiny random Llama always.
 """
+
+import gc
 
 import pytest
 import torch
@@ -23,6 +26,12 @@ def counters():
     from torch._dynamo.utils import counters as c
 
     return dict(c["stats"]), dict(c["inductor"])
+
+
+def recordings() -> int:
+    from flexicache_hf.bench.generate import cudagraph_recordings
+
+    return cudagraph_recordings()
 
 
 def generate(model, ids, mask, cache, new, compiled):
@@ -54,13 +63,17 @@ def check_graph_equals_eager(model, ids, mask, profile, budget, new, **cfg):
     stats, inductor = counters()
     assert cache._state.stale, "the decode steps did not run compiled"
     assert inductor.get("cudagraph_skips", 0) == 0, inductor
-    again = generate(model, ids, mask, make(), new, compiled=True)  # a second cache: same program
+    assert cache.stats == eager_cache.stats
+    del cache
+    gc.collect()  # compiling left reference cycles holding the cache; freed, its storage is kept (recycling.py)
+    recorded = recordings()
+    again = generate(model, ids, mask, make(), new, compiled=True)  # a second cache: same program, same graphs
     stats2, _ = counters()
     same = (graph == eager).all(-1)
     assert bool(same.all()), f"rows {(~same).nonzero().flatten().tolist()} differ"
     assert torch.equal(again, eager)
     assert stats2["unique_graphs"] == stats["unique_graphs"] <= before.get("unique_graphs", 0) + 2, (before, stats2)
-    assert cache.stats == eager_cache.stats
+    assert recordings() == recorded, "the second cache's steps recorded new CUDA graphs instead of replaying"
     return stats2
 
 

@@ -1,0 +1,89 @@
+"""The storage of a dropped sized cache, kept for the next cache of the same shape (one at a time, per process).
+
+A compiled decode step's CUDA graphs read a sized cache's buffers at fixed addresses.  A fresh FlexiCache has new
+buffers, so cudagraph trees record every graph again (150-195 ms on the 8B shape at 1 × 16k and 16 × 16k: 10-13
+steps) and add a node to their tree each time.  transformers spares StaticCache this by keeping the cache on the
+model and resetting it for the next ``generate``; a FlexiCache is made by the user, so the same happens from the
+other side: when a sized cache (``max_cache_len``) is dropped, its layers (device pools, MinMax cache, tables,
+pinned host tier) and its step schedule are kept here, and the next FlexiCache made with the same profile,
+configuration and ``max_cache_len`` takes them at its first forward, emptied in place as ``reset()`` empties a
+cache.  Its first decode step then replays the graphs already recorded.
+
+At most one dropped cache's storage is held.  The first forward of any FlexiCache ends the hold, before that cache
+allocates anything: the storage is taken when it matches (and fits the batch, dtype and device), else freed.  So
+kept storage never stands beside a live cache's, and a loop that replaces its cache (``cache = FlexiCache(...)``
+then ``generate``) holds one cache's storage at a time, as it did without recycling.  ``release_storage()``
+frees it at once.  A cache with an observer (not compileable) or one that never ran a forward leaves nothing, and
+kept storage is not handed on while anything outside still holds one of its layers (someone kept
+``cache.layers[i]``).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KeptStorage:
+    key: tuple
+    layers: list  # the dropped cache's FlexiCacheLayer objects, every one sized and initialised
+    states: dict  # its DecodeState per device (the layers read them)
+
+    def nbytes(self) -> int:
+        """Device and host bytes held (what ``release_storage`` frees)."""
+        return sum(layer.device_bytes() + layer.host.nbytes() for layer in self.layers if layer.is_initialized)
+
+
+class StorageKeeper:
+    """Holds at most one dropped cache's storage (thread-safe)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._kept: KeptStorage | None = None
+
+    def keep(self, key: tuple, layers: list, states: dict) -> None:
+        """Called when a cache is garbage: keep its layers if every one is sized and holds storage."""
+        if layers and all(layer.is_initialized and layer.page_capacity for layer in layers):
+            with self._lock:
+                self._kept = KeptStorage(key, layers, states)
+
+    def take(self, key: tuple) -> KeptStorage | None:
+        """The kept storage when it was made under ``key`` and nothing else holds its layers; the hold ends either
+        way.  (Checked here, not when the cache died: a cache the cyclic collector frees is still referenced by the
+        rest of its garbage cycle at that moment, e.g. the state torch.compile's tracing left.)"""
+        with self._lock:
+            kept, self._kept = self._kept, None
+        return kept if kept is not None and kept.key == key and _unshared(kept.layers) else None
+    def release(self) -> int:
+        """Free what is kept; returns the bytes it held."""
+        with self._lock:
+            kept, self._kept = self._kept, None
+        return 0 if kept is None else kept.nbytes()
+
+    def held_bytes(self) -> int:
+        with self._lock:
+            kept = self._kept
+        return 0 if kept is None else kept.nbytes()
+
+
+def _unshared(layers: list) -> bool:
+    """Whether ``layers`` (a list) is the only holder of its layers.  Anything else still holding a layer of the dead
+    cache (someone kept ``cache.layers[i]``) would see, and could change, the next cache's storage."""
+    sole = max(sys.getrefcount(x) for x in [object()])  # a list's sole reference, counted the same way
+    return all(sys.getrefcount(layer) <= sole for layer in layers)
+
+
+KEEPER = StorageKeeper()  # one per process, like torch's caching allocators: kept storage is a resource
+
+
+def release_storage() -> int:
+    """Free the device and pinned host memory FlexiCache keeps from the last dropped sized cache (for the next cache
+    of the same shape, see :mod:`flexicache_hf.recycling`); returns the bytes it held."""
+    return KEEPER.release()
+
+
+def kept_storage_bytes() -> int:
+    """Bytes of device and pinned host memory kept from the last dropped sized cache."""
+    return KEEPER.held_bytes()
