@@ -694,7 +694,9 @@ class FlexiCache(Cache):
             ``StaticCache``).  Device pools, MinMax cache, tables and the pinned host tier are then allocated
             once, at the first forward, and a longer sequence is refused; without it they grow with headroom.
             With it, on CUDA, the cache is compileable: ``generate`` compiles and CUDA-graphs the decode step
-            as it does for StaticCache (``disable_compile=True`` keeps it eager).
+            as it does for StaticCache (``disable_compile=True`` keeps it eager).  A dropped sized cache's
+            storage is kept for the next cache of its shape, which takes it at its first forward
+            (``storage_reused`` then becomes true; :func:`flexicache_hf.release_storage` frees it).
     """
 
     def __init__(self, profile: HeadProfile | str | os.PathLike, config: FlexiCacheConfig | None = None, *,
@@ -712,6 +714,7 @@ class FlexiCache(Cache):
             raise ValueError(f"max_cache_len must be None or a positive number of tokens, got {max_cache_len!r}")
         self.max_tokens = max_cache_len  # not `max_cache_len`: transformers 5.17 has a property of that name
         self.prompt_tokens = 0
+        self.storage_reused = False  # whether this cache's storage came from a dropped one (recycling.py)
         # The step schedule, one DecodeState per device a layer lives on (a model split by device_map has several;
         # they hold the same values), made by the first layer on each device.
         self.states: dict[str, DecodeState] = {}
@@ -749,6 +752,7 @@ class FlexiCache(Cache):
         self.layers[:] = kept.layers  # the same list and dict objects: this cache's finalizer holds them
         self.states.update(kept.states)
         self.reset()
+        self.storage_reused = True
 
     # ---- one forward at a time, through every layer --------------------------------------------------------
     def ensure_usable(self) -> None:
@@ -891,6 +895,7 @@ class FlexiCache(Cache):
         super().reset()
         self.guard.clear()
         self.prompt_tokens = 0
+        self.storage_reused = False
         if any(layer.is_initialized for layer in self.layers):  # buffers kept (max_cache_len): so is the schedule,
             for state in self.states.values():  # zeroed at its addresses (a captured step reads them)
                 state.reset()

@@ -49,16 +49,20 @@ def test_next_cache_of_the_shape_takes_the_storage_and_answers_as_a_new_one(setu
     got = gen(fc, b, taken)
     assert kept_storage_bytes() == 0  # handed over, not held twice
     assert [id(layer) for layer in taken.layers] == layers and all(layer.owner is taken for layer in taken.layers)
+    assert taken.storage_reused
     assert pointers(taken) == ptrs
     release_storage()
     fresh = FlexiCache(prof, **SIZED)
     assert not any(layer.is_initialized for layer in fresh.layers)
     assert torch.equal(got, gen(fc, b, fresh))
+    assert not fresh.storage_reused
     assert taken.stats == fresh.stats
     for mine, new in zip(taken.layers, fresh.layers):  # every stored token and selection as a new cache's
         assert torch.equal(mine.gather_tokens(mine.seq_len)[0], new.gather_tokens(new.seq_len)[0])
         assert torch.equal(mine.kmin, new.kmin) and torch.equal(mine.reranker.selected, new.reranker.selected)
     assert taken.host_bytes() == fresh.host_bytes()
+    taken.reset()
+    assert not taken.storage_reused  # (it runs on what it holds)
 
 
 def test_another_batch_size_allocates_anew_inside_the_taken_cache(setup):

@@ -507,13 +507,12 @@ def generate_once(model, ids, row: str, args, new: int, *, profile=None, stop_af
             raise HostLimitError(f"the offloaded KV needs {need / 1e9:.1f} GB of host memory, over --host-limit-gb "
                                  f"{args.host_limit_gb:.1f}")
     model.set_attn_implementation(attn_impl(row))
+    passed_in = cache is not None  # (the -reset row's: it runs on its own storage)
     cache = cache if cache is not None else new_cache(row, model, profile, args, cache_len or ids.shape[1] + new)
     if cache is not None:
         kw["past_key_values"] = cache
     else:
         kw["cache_implementation"] = "static" if is_compiled(row) else row
-    # A new FlexiCache that took a dropped one's storage (recycling.py) starts with its layers initialised
-    took = row.startswith("flexicache") and any(layer.is_initialized for layer in cache.layers)
     before = pinned_stats()
     graphs0, cg0 = dynamo_counts()
     rec0 = cudagraph_recordings()
@@ -537,7 +536,9 @@ def generate_once(model, ids, row: str, args, new: int, *, profile=None, stop_af
     if cg:
         res["cudagraph_counters_added"] = cg
     if row.startswith("flexicache"):
-        res.update(storage_taken=took, promoted_pages=cache.stats.promoted_pages(), host_tier_bytes=cache.host_bytes(),
+        # storage_taken: a new cache took a dropped one's storage at its first forward (recycling.py)
+        res.update(storage_taken=not passed_in and cache.storage_reused, promoted_pages=cache.stats.promoted_pages(),
+                   host_tier_bytes=cache.host_bytes(),
                    device_kv_bytes=cache.device_bytes(), dense_kv_bytes=cache.dense_bytes(),
                    cache_is_compileable=bool(cache.is_compileable))
     return res, cache, out
