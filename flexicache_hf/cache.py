@@ -699,6 +699,8 @@ class FlexiCache(Cache):
             (``storage_reused`` then becomes true; :func:`flexicache_hf.release_storage` frees it).
     """
 
+    storage_reused = False  # (also for caches pickled before the attribute existed)
+
     def __init__(self, profile: HeadProfile | str | os.PathLike, config: FlexiCacheConfig | None = None, *,
                  model_config=None, observer: SelectionObserver | None = None, kernels: str | None = None,
                  count_pages: bool = False, max_cache_len: int | None = None, profiles_dir=None, **config_fields):
