@@ -745,7 +745,9 @@ class FlexiCache(Cache):
         cache when it has this cache's shape and fits these states; any other kept storage is freed now (so kept
         storage never stands beside a live cache's, and a loop that replaces its cache holds one at a time)."""
         kept = KEEPER.take(self._storage_key())
-        if kept is None or self.max_tokens is None or self.observer is not None or not kept.layers[0]._fits(key_states):
+        if kept is None or self.max_tokens is None or self.observer is not None:
+            return
+        if not kept.layers[0]._fits(key_states):  # another batch, dtype or device: freed here
             return
         for layer in kept.layers:  # emptied below, in place, as reset() empties a sized cache
             layer._owner = weakref.ref(self)

@@ -56,6 +56,7 @@ class StorageKeeper:
         with self._lock:
             kept, self._kept = self._kept, None
         return kept if kept is not None and kept.key == key and _unshared(kept.layers) else None
+
     def release(self) -> int:
         """Free what is kept; returns the bytes it held."""
         with self._lock:
