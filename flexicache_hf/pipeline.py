@@ -3,7 +3,8 @@
 A cache holds one batch's conversation, so each call starts from an empty one: the previous call's cache,
 ``reset()``, when it is sized (``max_new_tokens`` given) and large enough -- as ``generate`` reuses its
 StaticCache -- so its buffers keep their addresses and a compiled decode step replays its CUDA graphs instead of
-recording new ones (which made a fresh cache's first step ~10x a median one on the H200); a new cache otherwise.
+recording new ones (which made a fresh cache's first step ~10x a median one on the H200); a new cache otherwise
+(which takes the storage of the one it replaces when their shapes match: ``recycling.py``).
 Use it through transformers' own factory::
 
     pipe = pipeline("text-generation", model=model, tokenizer=tok, pipeline_class=FlexiCachePipeline,
