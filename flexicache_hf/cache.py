@@ -729,11 +729,16 @@ class FlexiCache(Cache):
         ]
         super().__init__(layers=layers)
         self.guard = ForwardGuard(len(layers))
-        if self.max_tokens is not None and observer is None:  # dropped, its storage serves the next cache of its
-            # shape (recycling.py: same buffers, so a compiled step replays the CUDA graphs already recorded)
+        if self._recycles:  # dropped, its storage serves the next cache of its shape (recycling.py: same
+            # buffers, so a compiled step replays the CUDA graphs already recorded)
             weakref.finalize(self, KEEPER.keep, self._storage_key(), self.layers, self.states).atexit = False
         if model_config is not None:
             self.check_model(model_config)
+
+    @property
+    def _recycles(self) -> bool:
+        """Whether this cache's storage passes between caches (recycling.py): sized, and no observer."""
+        return self.max_tokens is not None and self.observer is None
 
     def _storage_key(self) -> tuple:
         """What fixes the layers' storage before the first forward (batch, dtype and device are checked there)."""
@@ -745,7 +750,7 @@ class FlexiCache(Cache):
         cache when it has this cache's shape and fits these states; any other kept storage is freed now (so kept
         storage never stands beside a live cache's, and a loop that replaces its cache holds one at a time)."""
         kept = KEEPER.take(self._storage_key())
-        if kept is None or self.max_tokens is None or self.observer is not None:
+        if kept is None or not self._recycles:
             return
         if not kept.layers[0]._fits(key_states):  # another batch, dtype or device: freed here
             return

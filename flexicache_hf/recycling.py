@@ -53,15 +53,18 @@ class StorageKeeper:
         """The kept storage when it was made under ``key`` and nothing else holds its layers; the hold ends either
         way.  (Checked here, not when the cache died: a cache the cyclic collector frees is still referenced by the
         rest of its garbage cycle at that moment, e.g. the state torch.compile's tracing left.)"""
-        with self._lock:
-            kept, self._kept = self._kept, None
+        kept = self._pop()
         return kept if kept is not None and kept.key == key and _unshared(kept.layers) else None
 
     def release(self) -> int:
         """Free what is kept; returns the bytes it held."""
+        kept = self._pop()
+        return 0 if kept is None else kept.nbytes()
+
+    def _pop(self) -> KeptStorage | None:
         with self._lock:
             kept, self._kept = self._kept, None
-        return 0 if kept is None else kept.nbytes()
+        return kept
 
     def held_bytes(self) -> int:
         with self._lock:

@@ -37,8 +37,7 @@ def run(model, tokenizer, cfg: EvalConfig, *, profile_name: str | None, corpus=N
     t0 = time.time()
     late = lambda: max_seconds is not None and time.time() - t0 > max_seconds  # noqa: E731
 
-    def answer(sample, policy: Policy, ids) -> dict:
-        chunks = (ids,) if isinstance(ids, torch.Tensor) else ids
+    def answer(sample, policy: Policy, chunks: tuple[torch.Tensor, ...]) -> dict:
         n = sum(c.shape[1] for c in chunks)
         cache = make_cache(policy, model.config, n, profiles, page_size=cfg.page_size, kernels=kernels)
         (out,) = greedy(model, chunks, cache, sample.max_new_tokens, stop)
@@ -55,7 +54,7 @@ def run(model, tokenizer, cfg: EvalConfig, *, profile_name: str | None, corpus=N
     for n in cfg.reach_lengths:
         bar.set_postfix_str(f"reach {n}")
         for s in make_samples(tokenizer, "niah_single", n, cfg.reach_samples, cfg.seed + 1000, corpus):
-            row = answer(s, Policy("dense"), render(tokenizer, s.context, s.question, s.answer_prefix))
+            row = answer(s, Policy("dense"), (render(tokenizer, s.context, s.question, s.answer_prefix),))
             reach.append({**row, "target_tokens": n})
 
     skipped: list[str] = []  # what the time limit left out
@@ -67,11 +66,11 @@ def run(model, tokenizer, cfg: EvalConfig, *, profile_name: str | None, corpus=N
             break
         for task in cfg.tasks:
             s = samples[task][i]
-            ids = (render_split if cfg.question_after_context else render)(tokenizer, s.context, s.question,
-                                                                            s.answer_prefix)
+            parts = (s.context, s.question, s.answer_prefix)
+            chunks = render_split(tokenizer, *parts) if cfg.question_after_context else (render(tokenizer, *parts),)
             for p in task_policies:
                 bar.set_postfix_str(f"{task} #{i} {p.label}")
-                tasks.append(answer(s, p, ids))
+                tasks.append(answer(s, p, chunks))
 
     fid = []
     if fid_docs and late():
