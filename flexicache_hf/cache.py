@@ -365,7 +365,8 @@ class FlexiCacheLayer(CacheLayerMixin):
     def _append_chunk(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         """A prompt chunk of the offloaded heads goes whole to the host; the device keeps the newest page.
 
-        The next decode step re-ranks every head (``attend`` restarts the schedule), which loads the top-K back.
+        A first chunk's attention then seats the top-K from the chunk itself; after a follow-up chunk the next
+        decode step re-ranks every head, which loads the top-K back from the host.
         """
         ps = self.config.page_size
         end = start + k.shape[2]
@@ -423,7 +424,7 @@ class FlexiCacheLayer(CacheLayerMixin):
         if self.padded:
             key_valid = torch.arange(keys.shape[2], device=self.device)[None, :] >= self.valid_lo[:, None]
         out = dense_attention(query, keys, values, key_valid, scaling)
-        if handle.start == 0 and self.slot_heads.numel():
+        if handle.start == 0 and self.reranker.num_stable:
             self._seat_prompt_top_k(query[:, :, -1], keys, values, scaling)
         if self.layer_idx == len(self.owner.layers) - 1 and self.owner.is_compileable:
             # The next step may be a graph replay, which cannot wait on the copy streams itself: the compute
@@ -433,17 +434,20 @@ class FlexiCacheLayer(CacheLayerMixin):
         return out
 
     def _seat_prompt_top_k(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> None:
-        """After a first prompt chunk: give each offloaded head the top-K pages of the prompt's last query
-        ``q [B, Hq, D]``, copied from the chunk still on the device.  The first decode step re-ranks every head
-        anyway; it then loads from the host only the pages its own query changes, not the whole top-K (which made
-        that step 10-16x a median one).  On the copy stream, behind the chunk's offload."""
-        heads, ps = self.slot_heads, self.config.page_size
+        """After a first prompt chunk: the stable heads' first top-K, from the prompt's last query ``q [B, Hq, D]``
+        (the paper keeps a stable head's top-K pages on the device once the prompt is offloaded).  Offloaded heads
+        get those pages from the chunk still on the device, so no decode step loads them from the host; the
+        schedule re-ranks them next R steps later (or on their staggered phase), not at step 0.  On the copy
+        stream, behind the chunk's offload."""
+        ps = self.config.page_size
+        n = num_pages(self.seq_len, ps)
         with copy_context(self.copies):
             self.copies.keep_alive(q, keys, values)
-            wanted = self.reranker.top_k(self.ops, q, self.kmin, self.kmax, heads, num_pages(self.seq_len, ps),
-                                         scaling)
-            pages, phys = self.slots.reseat(wanted)
-            seat_from_chunk(self.pool, pages, phys, keys, values, heads, ps)
+            wanted = self.reranker.seat_prompt(self.ops, q, self.kmin, self.kmax, n, scaling)
+            if self.slot_heads.numel():  # the offloaded heads are the stable ones, in the same order
+                pages, phys = self.slots.reseat(wanted)
+                seat_from_chunk(self.pool, pages, phys, keys, values, self.slot_heads, ps)
+        self.state.anchor_of(self.layer_idx).fill_(n - 1)  # the newest page when they were ranked
         self.copies_pending = True
 
     def _observe_padding(self, mask2d: torch.Tensor | None, start: int) -> None:

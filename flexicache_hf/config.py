@@ -37,10 +37,11 @@ class FlexiCacheConfig:
             pages are ranked by.  ``"max"`` (the paper, Quest): the group's largest bound.  ``"mass"``: each query
             head's bounds as an estimated attention distribution over pages (softmax of the scaled bound), summed
             over the group — the quantity an oracle selection maximises.
-        stagger_reranks: ``False`` (the paper): every layer's stable heads re-rank on the same steps ``0, R, 2R,
+        stagger_reranks: ``False`` (the paper): every layer's stable heads re-rank on the same steps ``R, 2R,
             ...``, so every R-th step promotes all layers' new pages at once.  ``True``: layer ``l`` re-ranks them
-            on the steps ``s ≡ l (mod R)`` (and all on step 0), so each step promotes ~1/R of the pages: the same
-            interval per head, smoother step times.
+            on the steps ``s ≡ l (mod R)``, ``s > 0``, so each step promotes ~1/R of the pages: the same interval per
+            head, smoother step times.  Either way the prompt's last query gives the stable heads their first top-K
+            (it stands for step 0's re-rank), and after a follow-up prompt chunk step 0 re-ranks every head.
     """
 
     page_size: int = 16
@@ -89,7 +90,7 @@ class FlexiCacheConfig:
         return self.token_budget // self.page_size
 
     def rerank_phase(self, layer: int) -> int:
-        """The step (mod R) on which ``layer``'s stable heads re-rank (besides step 0)."""
+        """The step (mod R) on which ``layer``'s stable heads re-rank."""
         return layer % self.rerank_interval if self.stagger_reranks else 0
 
     @property

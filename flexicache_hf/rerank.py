@@ -1,8 +1,9 @@
 """Stability-aware re-ranking of one layer: who is scored this step, their top-K sets, what is attended.
 
-Unstable heads re-rank every decode step.  Stable heads re-rank on decode steps ``0, R, 2R, ...`` and in
-between attend their last top-K set plus every page created since (the newest pages are always attended).
-A layer whose heads are all stable skips scoring entirely on the other steps.
+Unstable heads re-rank every decode step.  Stable heads re-rank every R decode steps and in between attend their
+last top-K set plus every page created since (the newest pages are always attended); the last query of a first
+prompt chunk gives them their first top-K (:meth:`Reranker.seat_prompt`).  A layer whose heads are all stable
+skips scoring entirely on the other steps.
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ class Reranker:
         self.unstable_host = tuple(unstable)
         self.num_stable = num_kv_heads - len(unstable)
         self.all_heads = torch.arange(num_kv_heads, device=device)
+        self.stable_heads = torch.tensor([h for h in range(num_kv_heads) if h not in set(unstable)],
+                                         dtype=torch.long, device=device)
         self.is_stable = torch.ones(num_kv_heads, dtype=torch.bool, device=device)
         self.is_stable[list(unstable)] = False
         self.recent_offsets = 1 + torch.arange(max_recent, device=device)  # pages after the anchor
@@ -72,7 +75,7 @@ class Reranker:
         self.reranks = torch.zeros(num_kv_heads, dtype=torch.long, device=device)  # per-head re-rank count
 
     def buffers(self) -> list[torch.Tensor]:
-        return [self.all_heads, self.is_stable, self.recent_offsets, self.selected, self.reranks]
+        return [self.all_heads, self.stable_heads, self.is_stable, self.recent_offsets, self.selected, self.reranks]
 
     def clear(self) -> None:
         """No page selected, no re-rank counted (in place)."""
@@ -96,11 +99,16 @@ class Reranker:
         self.reranks.add_(active)
         return scores
 
-    def top_k(self, ops: KernelOps, query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
-              heads: torch.Tensor, num_pages: int, scale: float | None = None) -> torch.Tensor:
-        """``[B, h, K]``: the top-K pages of ``heads`` for ``query`` by this layer's rule (score, forced pages,
-        select), without storing it (the prompt's last query seats the offloaded heads' first pages)."""
-        return ops.select_pages(self._scores(ops, query, kmin, kmax, heads, num_pages, None, scale), self.budget_pages)
+    def seat_prompt(self, ops: KernelOps, query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
+                    num_pages: int, scale: float | None = None) -> torch.Tensor:
+        """After a first prompt chunk: the stable heads' top-K for the prompt's last ``query [B, Hq, D]``, stored
+        as their selection (their re-rank for step 0: the schedule's next one for them is R steps or their
+        staggered phase later); returns it, ``[B, num_stable, K]``."""
+        heads = self.stable_heads
+        wanted = ops.select_pages(self._scores(ops, query, kmin, kmax, heads, num_pages, None, scale),
+                                  self.budget_pages)
+        self.selected.index_copy_(1, heads, wanted)
+        return wanted
 
     def _scores(self, ops: KernelOps, query, kmin, kmax, heads, num_pages, active, scale) -> torch.Tensor:
         """The page scores this layer ranks by: the bound combined as ``group_score`` says, forced pages +inf."""

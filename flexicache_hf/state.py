@@ -47,14 +47,17 @@ class DecodeState:
     """Device scalars of the current decode step, shared by every layer of one cache.
 
     Persistent counters: ``length`` (tokens stored once this step's token is in, capped at ``capacity``),
-    ``step`` (decode steps since the last prompt chunk; step 0 re-ranks every head), ``overflow`` (a step went
-    past ``capacity``: set in a graph, raised by the host).  Per step, from :meth:`advance`: ``current`` (this
+    ``step`` (decode steps since the last prompt chunk), ``rerank_all`` (step 0 re-ranks every head: the last
+    prompt chunk was a follow-up one, whose pages no selection has seen), ``overflow`` (a step went past
+    ``capacity``: set in a graph, raised by the host).  Per step, from :meth:`advance`: ``current`` (this
     step's index), ``pos``, ``page``, ``offset``, ``num_pages``, ``new_page``, ``page_full``.  Every tensor has
     shape ``[1]`` and a fixed address for the cache's life.
 
     Per layer, from :meth:`begin_layer` (each layer calls it as its step begins): ``due`` (its stable heads
-    re-rank now, on the steps ``s ≡ phase (mod R)`` and on step 0) and ``anchor`` (the newest page when they last
-    re-ranked).  Each layer's scalars, its phase included, are tensors of their own rather than elements of one
+    re-rank now, on the steps ``s > 0`` with ``s ≡ phase (mod R)``, and on step 0 after a follow-up chunk) and
+    ``anchor`` (the newest page when they last re-ranked).  After a first prompt chunk the prompt's last query
+    was their first re-rank (each layer seats its top-K and sets its anchor then), so step 0 re-ranks none of
+    them.  Each layer's scalars, its phase included, are tensors of their own rather than elements of one
     ``[num_layers]`` tensor: a compiled step then reads them through pointers, so every layer's generated kernels
     are the same code (compiled once), not one variant per layer's constant index.
     """
@@ -69,12 +72,13 @@ class DecodeState:
         flag = lambda: torch.zeros(1, dtype=torch.bool, device=self.device)  # noqa: E731
         self.length, self.step, self.current = long(), long(), long()
         self.pos, self.page, self.offset, self.num_pages = long(), long(), long(), long()
-        self.new_page, self.page_full, self.overflow = flag(), flag(), flag()
+        self.new_page, self.page_full, self.overflow, self.rerank_all = flag(), flag(), flag(), flag()
         self.phases = [torch.full((1,), ph, dtype=torch.long, device=self.device) for ph in self.phases_host]
         self.due = [flag() for _ in self.phases_host]
         self.anchor = [long() for _ in self.phases_host]
         self.host_length = 0  # the host's mirror of `length` and `step` (valid unless `stale`)
         self.host_step = 0
+        self.host_rerank_all = False
         self.stale = False  # graph replays advanced the device state past the mirror
         self.overflowed = False  # the host saw `overflow` set
         self.plan: StepPlan | None = None  # the host's plan of the step under way (eager steps)
@@ -83,7 +87,8 @@ class DecodeState:
     def tensors(self) -> list[torch.Tensor]:
         """The state that changes (what reset() clears; the phases are configuration)."""
         return [self.length, self.step, self.current, self.pos, self.page, self.offset, self.num_pages,
-                self.new_page, self.page_full, self.overflow, self.counters.values, *self.due, *self.anchor]
+                self.new_page, self.page_full, self.overflow, self.rerank_all, self.counters.values, *self.due,
+                *self.anchor]
 
     def buffers(self) -> list[torch.Tensor]:
         """Every device tensor a decode step reads (fixed addresses for graph capture)."""
@@ -120,7 +125,8 @@ class DecodeState:
         """``layer``'s part of the step :meth:`advance` planned: whether its stable heads re-rank now, and their
         anchor (tensor operations on that layer's own scalars; runs inside a captured graph)."""
         due, cur = self.due[layer], self.current
-        due.copy_((torch.remainder(cur - self.phases[layer], self.interval) == 0) | (cur == 0))
+        on_phase = (torch.remainder(cur - self.phases[layer], self.interval) == 0) & (cur > 0)
+        due.copy_(on_phase | ((cur == 0) & self.rerank_all))
         self.anchor[layer].copy_(torch.where(due, self.page, self.anchor[layer]))
 
     def begin_eager_step(self) -> StepPlan:
@@ -128,7 +134,7 @@ class DecodeState:
         self.sync()
         pos, ps = self.host_length, self.page_size
         step, r = self.host_step, self.interval
-        due = tuple(step == 0 or (step - ph) % r == 0 for ph in self.phases_host)
+        due = tuple(self.host_rerank_all if step == 0 else (step - ph) % r == 0 for ph in self.phases_host)
         self.plan = StepPlan(new_page=pos % ps == 0, page_full=pos % ps == ps - 1, stable_due=due,
                              num_pages=pos // ps + 1)
         self.advance()
@@ -136,13 +142,17 @@ class DecodeState:
         return self.plan
 
     def add_chunk(self, tokens: int) -> None:
-        """A prompt chunk of ``tokens`` went in: the next decode step is step 0 again (it re-ranks every
-        head: the chunk's pages were never scored)."""
+        """A prompt chunk of ``tokens`` went in: the next decode step is step 0 again.  After a first chunk the
+        layers seat their stable heads' top-K from the prompt's last query, which stands for step 0's re-rank;
+        after a follow-up chunk (pages no selection has scored) step 0 re-ranks every head."""
         self.sync()
+        follow_up = self.host_length > 0
         self.host_length += tokens
         self.host_step = 0
+        self.host_rerank_all = follow_up
         self.length.fill_(self.host_length)
         self.step.zero_()
+        self.rerank_all.fill_(follow_up)
         self.plan = None
 
     def follow(self, other: "DecodeState") -> None:
@@ -150,8 +160,10 @@ class DecodeState:
         of a model split across devices: layer 0 already counted the chunk in ``other``)."""
         other.sync()
         self.host_length, self.host_step = other.host_length, other.host_step
+        self.host_rerank_all = other.host_rerank_all
         self.length.fill_(self.host_length)
         self.step.fill_(self.host_step)
+        self.rerank_all.fill_(self.host_rerank_all)
 
     def sync(self) -> None:
         """Bring the host mirror up to date after graph replays (one device synchronisation)."""
@@ -174,6 +186,7 @@ class DecodeState:
         for t in self.tensors():
             t.zero_()
         self.host_length = self.host_step = 0
+        self.host_rerank_all = False
         self.stale, self.overflowed, self.plan = False, False, None
 
 

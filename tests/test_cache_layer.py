@@ -70,6 +70,14 @@ def drive(profile, *, B, H, G, D, prompt, steps, ps, budget, R, offload, valid_l
     torch.testing.assert_close(out * rows, want * rows, atol=1e-5, rtol=1e-5)
 
     K = budget // ps
+    stable = layer.reranker.stable_heads
+    # What each stable head attends between re-ranks: its last top-K plus the pages made since (anchor, newest].
+    # Its first top-K comes from the prompt's last query.
+    n = -(-prompt // ps)
+    lo, hi = naive_minmax(keys, valid_lo, n, ps)
+    last = {h: (reference.select_pages(reference.page_scores(q[:, :, -1], lo, hi,
+                                                             torch.tensor([h]), n), K)[:, 0], n - 1)
+            for h in stable.tolist()}
     history = []
     for step in range(steps):
         k1, v1, q1 = torch.randn(B, H, 1, D), torch.randn(B, H, 1, D), torch.randn(B, H * G, 1, D)
@@ -92,7 +100,17 @@ def drive(profile, *, B, H, G, D, prompt, steps, ps, budget, R, offload, valid_l
             torch.testing.assert_close(ev.scores, ref_scores, atol=1e-4, rtol=1e-4)
             assert torch.equal(ev.pages, reference.select_pages(ref_scores, K))
         history.append((step, [e.heads.tolist() for e in new_events], layer.reranker.selected.clone()))
-        # 3. every attended page of every head is on the device (never the null page)
+        # 3. a stable head not re-ranked now attends its last top-K and the pages made since, nothing else
+        ranked = set(new_events[0].heads.tolist()) if new_events else set()
+        for h in stable.tolist():
+            if h in ranked:
+                last[h] = (layer.reranker.selected[:, h].clone(), n - 1)
+            elif not extra:
+                sel, anchor = last[h]
+                for b in range(B):
+                    want = {p for p in sel[b].tolist() if p >= 0} | set(range(anchor + 1, n))
+                    assert {p for p in attended[b, h].tolist() if p >= 0} == want, (step, h, b)
+        # 4. every attended page of every head is on the device (never the null page)
         phys = layer.pool.page_table.long().gather(2, attended.clamp_min(0))
         assert bool(((phys != NULL_PAGE) | (attended < 0)).all())
     return cache, history
@@ -115,20 +133,20 @@ def test_rerank_schedule_is_observable():
     cache, history = drive(profile, B=1, H=4, G=1, D=8, prompt=40, steps=17, ps=4, budget=12, R=R,
                            offload=True, valid_lo=torch.tensor([0]))
     for step, heads, _ in history:
-        expect = [0, 1, 2, 3] if step % R == 0 else sorted(unstable)
+        expect = [0, 1, 2, 3] if step % R == 0 and step else sorted(unstable)  # step 0: the prompt ranked them
         assert heads == [expect]
     # stable heads' selections change only on due steps; unstable ones are re-ranked each step
     for (s0, _, a), (s1, _, b) in zip(history, history[1:]):
         if s1 % R:
             assert torch.equal(a[:, [0, 3]], b[:, [0, 3]])
-    assert cache.layers[0].reranker.reranks.tolist() == [5, 17, 17, 5]
+    assert cache.layers[0].reranker.reranks.tolist() == [4, 17, 17, 4]
 
 
 def test_all_stable_layer_skips_scoring_between_reranks():
     cfg = tiny_config("llama", heads=2, kv_heads=2, layers=1, head_dim=8)
     cache, history = drive(HeadProfile.all_stable(cfg), B=1, H=2, G=1, D=8, prompt=30, steps=9, ps=4,
                            budget=8, R=4, offload=True, valid_lo=torch.tensor([0]))
-    assert [bool(h) for _, h, _ in history] == [s % 4 == 0 for s in range(9)]
+    assert [bool(h) for _, h, _ in history] == [s % 4 == 0 and s > 0 for s in range(9)]
 
 
 def test_full_budget_decode_equals_dense():
@@ -202,7 +220,8 @@ def test_reference_sparse_decode_ignores_unlisted_width():
 
 
 def test_staggered_reranks_spread_the_layers_over_the_interval():
-    """stagger_reranks=True: layer l's stable heads re-rank on the steps s = l (mod R) (and all on step 0); the
+    """stagger_reranks=True: layer l's stable heads re-rank on the steps s = l (mod R), s > 0 (the prompt ranked them
+    for step 0); the
     unstable heads every step; the promotions of a re-rank are spread over the steps; and a budget covering every
     page still decodes exactly as dense."""
     from transformers import AutoModelForCausalLM, DynamicCache
@@ -220,7 +239,7 @@ def test_staggered_reranks_spread_the_layers_over_the_interval():
     stable_steps = {layer: [e.step for e in rec.events if e.layer_idx == layer and 0 in e.heads.tolist()]
                     for layer in range(4)}
     for layer, got in stable_steps.items():
-        assert got == [s for s in range(steps) if s == 0 or s % R == layer % R], (layer, got)
+        assert got == [s for s in range(1, steps) if s % R == layer % R], (layer, got)
     unstable_steps = [e.step for e in rec.events if e.layer_idx == 2 and 1 in e.heads.tolist()]
     assert unstable_steps == list(range(steps))
     full = FlexiCache(profile, page_size=4, token_budget=64, rerank_interval=R, stagger_reranks=True)
@@ -229,23 +248,27 @@ def test_staggered_reranks_spread_the_layers_over_the_interval():
                        model.generate(ids, past_key_values=DynamicCache(), **kw))
 
 
-def test_prompt_seats_the_last_querys_top_k_so_the_first_step_loads_only_changes():
-    """After the first prompt chunk the offloaded heads' slots hold the top-K pages of the prompt's last query,
-    with the prompt's own keys and values (copied on the device); the first decode step then promotes from the
-    host only the pages its own query changes."""
+def test_prompt_seats_the_last_querys_top_k_and_the_first_step_loads_nothing():
+    """After the first prompt chunk the stable heads' selection is the top-K pages of the prompt's last query and the
+    offloaded heads' slots hold them, with the prompt's own keys and values (copied on the device): that is their
+    re-rank for step 0, so the first decode steps attend them and promote nothing; the schedule re-ranks them R
+    steps later.  After a follow-up chunk the next step re-ranks every head over all pages."""
     cfg = tiny_config("llama", heads=8, kv_heads=4, layers=1, head_dim=8)
     profile = HeadProfile.from_unstable(cfg, [(0, 1)])
     torch.manual_seed(3)
-    B, H, G, D, T, ps, K = 2, 4, 2, 8, 70, 4, 5
-    cache = FlexiCache(profile, page_size=ps, token_budget=K * ps, rerank_interval=4, kernels="reference")
+    B, H, G, D, T, ps, K, R = 2, 4, 2, 8, 70, 4, 5, 4
+    scale = D ** -0.5
+    cache = FlexiCache(profile, page_size=ps, token_budget=K * ps, rerank_interval=R, kernels="reference")
     layer = cache.layers[0]
     keys, values, q = torch.randn(B, H, T, D), torch.randn(B, H, T, D), torch.randn(B, H * G, T, D)
     handle, _ = cache.update(keys, values, 0)
-    layer.attend(handle, q, None, D ** -0.5)
+    layer.attend(handle, q, None, scale)
     heads = layer.slot_heads
+    assert heads.tolist() == layer.reranker.stable_heads.tolist() == [0, 2, 3]
     n = -(-T // ps)
     lo, hi = naive_minmax(keys, torch.zeros(B, dtype=torch.long), n, ps)
-    want = reference.select_pages(reference.page_scores(q[:, :, -1], lo, hi, heads, n, None, "max", D ** -0.5), K)
+    want = reference.select_pages(reference.page_scores(q[:, :, -1], lo, hi, heads, n, None, "max", scale), K)
+    assert torch.equal(layer.reranker.selected[:, heads], want)
     seated = layer.slots.slot_page
     for b in range(B):
         for t, h in enumerate(heads.tolist()):
@@ -257,11 +280,34 @@ def test_prompt_seats_the_last_querys_top_k_so_the_first_step_loads_only_changes
                 m = toks.stop - toks.start
                 assert torch.equal(layer.pool.k[phys, :m], keys[b, h, toks])
                 assert torch.equal(layer.pool.v[phys, :m], values[b, h, toks])
-    k1, v1, q1 = torch.randn(B, H, 1, D), torch.randn(B, H, 1, D), torch.randn(B, H * G, 1, D)
-    handle, _ = cache.update(k1, v1, 0)
-    layer.attend(handle, q1, None, D ** -0.5)
-    first = reference.select_pages(reference.page_scores(q1[:, :, 0], *naive_minmax(
-        torch.cat([keys, k1], 2), torch.zeros(B, dtype=torch.long), n, ps), heads, n), K)
-    changed = sum(len(set(first[b, t].tolist()) - set(want[b, t].tolist()))
-                  for b in range(B) for t in range(len(heads)))
-    assert cache.stats.promoted == changed < B * len(heads) * K
+
+    def step():
+        k1, v1, q1 = torch.randn(B, H, 1, D), torch.randn(B, H, 1, D), torch.randn(B, H * G, 1, D)
+        handle, _ = cache.update(k1, v1, 0)
+        layer.attend(handle, q1, None, scale)
+        return k1, v1, q1
+
+    history_k = [keys]
+    for s in range(R):  # tokens 70, 71 go to page 17 (in every top-K); 72, 73 start page 18
+        history_k.append(step()[0])
+        attended = layer.last_attended[:, heads]
+        for b in range(B):
+            for t in range(len(heads)):
+                newer = [18] if s >= 2 else []
+                assert sorted(p for p in attended[b, t].tolist() if p >= 0) == want[b, t].tolist() + newer
+    assert cache.stats.promoted == 0 and layer.reranker.reranks.tolist() == [0, R, 0, 0]
+    history_k.append(step()[0])  # step R: the stable heads' first re-rank after the prompt
+    assert layer.reranker.reranks.tolist() == [1, R + 1, 1, 1] and cache.stats.promoted > 0
+
+    more_k, more_v, more_q = torch.randn(B, H, 9, D), torch.randn(B, H, 9, D), torch.randn(B, H * G, 9, D)
+    handle, _ = cache.update(more_k, more_v, 0)  # a follow-up chunk: positions 75..83
+    layer.attend(handle, more_q, None, scale)
+    history_k.append(more_k)
+    k1, _, q1 = step()  # its step 0 re-ranks every head over every page
+    history_k.append(k1)
+    assert layer.reranker.reranks.tolist() == [2, R + 2, 2, 2]
+    full = torch.cat(history_k, 2)
+    n = -(-full.shape[2] // ps)
+    lo, hi = naive_minmax(full, torch.zeros(B, dtype=torch.long), n, ps)
+    fresh = reference.select_pages(reference.page_scores(q1[:, :, 0], lo, hi, heads, n, None, "max", scale), K)
+    assert torch.equal(layer.reranker.selected[:, heads], fresh)

@@ -11,8 +11,9 @@ from flexicache_hf.state import DecodeState
 
 def test_eager_plan_and_device_state_agree_over_pages_and_reranks():
     st = DecodeState("cpu", page_size=4, rerank_interval=3, capacity=None)
-    st.add_chunk(6)  # positions 0..5 hold the prompt
-    anchor = None
+    st.add_chunk(6)  # positions 0..5 hold the prompt (its last query ranked the stable heads: anchor page 1)
+    st.anchor_of(0).fill_(1)
+    anchor = 1
     for pos in range(6, 30):
         plan = st.begin_eager_step()
         st.begin_layer(0)
@@ -20,33 +21,42 @@ def test_eager_plan_and_device_state_agree_over_pages_and_reranks():
         assert int(st.pos) == pos and int(st.length) == pos + 1 and int(st.num_pages) == pos // 4 + 1
         assert plan.new_page == bool(st.new_page) == (pos % 4 == 0)
         assert plan.page_full == bool(st.page_full) == (pos % 4 == 3)
-        assert plan.stable_due == (bool(st.due_of(0)),) == (step % 3 == 0,)
-        anchor = pos // 4 if step % 3 == 0 else anchor
+        assert plan.stable_due == (bool(st.due_of(0)),) == (step > 0 and step % 3 == 0,)
+        anchor = pos // 4 if step > 0 and step % 3 == 0 else anchor
         assert int(st.anchor_of(0)) == anchor
     assert st.counters.read()["decode_steps"] == 24
 
 
-def test_staggered_phases_rerank_each_layer_every_r_steps_and_all_on_step_zero():
+def test_staggered_phases_rerank_each_layer_every_r_steps_and_all_after_a_follow_up_chunk():
+    """After a first chunk (whose last query ranked every layer: "step -1") layer i re-ranks on its phase, at most
+    R steps later; after a follow-up chunk every layer re-ranks on step 0 as well."""
     R, phases = 4, (0, 1, 2, 3, 0, 1)
     st = DecodeState("cpu", page_size=2, rerank_interval=R, capacity=None, phases=phases)
     st.add_chunk(5)
-    last = [None] * len(phases)
+    _check_staggered(st, R, phases, first=False)
+    st.add_chunk(3)  # a follow-up chunk restarts the schedule with every layer re-ranking at step 0
+    _check_staggered(st, R, phases, first=True)
+    st.reset()
+    st.add_chunk(4)  # a first chunk again
+    assert not any(st.begin_eager_step().stable_due)
+
+
+def _check_staggered(st: DecodeState, R: int, phases: tuple[int, ...], first: bool) -> None:
+    last = [0] * len(phases)  # step 0 re-ranks them, or the prompt's last query did in its stead
     for step in range(13):
         plan = st.begin_eager_step()
         for i in range(len(phases)):
             st.begin_layer(i)
-        want = tuple(step == 0 or (step - ph) % R == 0 for ph in phases)
+        want = tuple(first if step == 0 else (step - ph) % R == 0 for ph in phases)
         assert plan.stable_due == want == tuple(bool(d) for d in st.due)
         assert all(bool(st.due_of(i)) == want[i] and plan.due(i) == want[i] for i in range(len(phases)))
         for i, d in enumerate(want):
             if d:
-                assert last[i] is None or step - last[i] <= R  # never longer than R between re-ranks
+                assert step - last[i] <= R  # never longer than R between re-ranks
                 last[i] = step
                 assert int(st.anchor_of(i)) == int(st.page)
         if step:
             assert sum(want) == phases.count(step % R) < len(phases)  # the layers of this phase only
-    st.add_chunk(3)  # a prompt chunk restarts the schedule: every layer re-ranks on the next step
-    assert all(st.begin_eager_step().stable_due)
 
 
 def test_capacity_clamps_and_flags_a_captured_overflow():
@@ -69,7 +79,8 @@ def test_one_schedule_per_device_follows_the_first_and_counts_steps_once():
     cfg = tiny_config("llama", heads=2, kv_heads=2, layers=2, head_dim=8)
     cache = FlexiCache(HeadProfile.all_stable(cfg), page_size=4, token_budget=8)
     first = cache.decode_state(torch.device("cpu"))
-    first.add_chunk(10)  # layer 0 took the prompt before the second device's layer existed
+    first.add_chunk(6)
+    first.add_chunk(4)  # layer 0 took a follow-up chunk before the second device's layer existed
     second = cache.decode_state(torch.device("cpu:0"))  # another device key (a second GPU in practice)
     assert second is not first and cache.decode_state(torch.device("cpu:0")) is second
     assert int(second.length) == 10 and second.host_length == 10

@@ -308,6 +308,15 @@ def select_16k_rest() -> EvalConfig:
     return replace(select_16k(), name="select-16k-rest", page_size=8, fidelity_extra=out)
 
 
+def select_16k_seat() -> EvalConfig:
+    """The headline rows of :func:`select_16k_pages8` / :func:`select_16k_rest` (8-token pages, mass, measured
+    profile, 2048 then 1024) again, after the prompt's last query became the stable heads' step-0 re-rank, beside
+    the every-step twin at 2048 (it has no stable heads, so it is unchanged: the same-run anchor)."""
+    out = (Policy("flexicache", 2048, group_score="mass"), Policy("quest", 2048, group_score="mass"),
+           Policy("flexicache", 1024, group_score="mass"))  # most wanted first
+    return replace(select_16k(), name="select-16k-seat", page_size=8, fidelity_extra=out)
+
+
 def select_cpu() -> EvalConfig:
     """``select-16k``'s question on the embedded SmolLM2 (3 query heads per KV head), CPU-sized like
     ``oracle-cpu``: 2 documents of 2,048 prompt tokens + 64 dense tokens, teacher-forced, budget 256: FlexiCache
@@ -372,6 +381,7 @@ def named_configs() -> dict:
             "oracle-16k-pages8": oracle_16k_pages8, "oracle-cpu": oracle_cpu,
             "oracle-qwen-cpu": oracle_qwen_cpu, "qwen-8k": qwen_8k, "qwen-16k": qwen_16k, "qwen-32k": qwen_32k,
             "select-16k": select_16k, "select-16k-pages8": select_16k_pages8, "select-16k-rest": select_16k_rest,
+            "select-16k-seat": select_16k_seat,
             "select-cpu": select_cpu,
             "profiles-qwen-cpu": profiles_qwen_cpu, "mass-tasks-cpu": mass_tasks_cpu,
             "profiles-qwen-cpu-budgets": profiles_qwen_cpu_budgets, "later-question-cpu": later_question_cpu,
