@@ -289,7 +289,9 @@ def test_grouped_sdpa_static_cache_equals_dynamic_sdpa(padded):
         ref_logits = model(ids, attention_mask=mask).logits
         model.set_attn_implementation(grouped_sdpa.NAME)
         got = model.generate(ids, past_key_values=StaticCache(config=model.config, max_cache_len=64), **kw)
+        chunked = model.generate(ids, past_key_values=StaticCache(config=model.config, max_cache_len=64),
+                                 prefill_chunk_size=16, **kw)  # --static-prefill-chunk: later chunks take the mask
         logits = model(ids, attention_mask=mask).logits
-    assert torch.equal(got, want)
+    assert torch.equal(got, want) and torch.equal(chunked, want)
     keep = mask.bool()
     torch.testing.assert_close(logits[keep], ref_logits[keep], atol=1e-5, rtol=1e-4)

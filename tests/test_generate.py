@@ -246,3 +246,20 @@ def test_multi_turn_small_budget_follow_ups_of_many_pages(offload):
             cache = FlexiCache(profile, page_size=4, token_budget=16, rerank_interval=4, offload=offload)
             out = chat_turns(fc, cache, turns, n)
             assert cache.get_seq_length() == out.shape[1] - 1
+
+
+@pytest.mark.parametrize("max_cache_len", [None, 80])
+def test_chunked_prefill_equals_dense(max_cache_len):
+    """``generate(prefill_chunk_size=...)`` feeds the prompt as a first chunk and follow-up chunks: the follow-ups
+    attend exactly over the cached prefix, and step 0 re-ranks every head over every page; a budget covering every
+    page decodes as dense, a small one keeps the cache consistent."""
+    cfg = tiny_config("llama", heads=4, kv_heads=2)
+    fc, dense = twin_models(cfg)
+    ids = torch.randint(2, 96, (2, 45))
+    want = greedy(dense, ids, DynamicCache(), n=12)
+    profile = HeadProfile.random(cfg, 0.25, seed=3)
+    cache = FlexiCache(profile, **FULL, max_cache_len=max_cache_len)
+    assert torch.equal(greedy(fc, ids, cache, n=12, prefill_chunk_size=16), want)
+    small = FlexiCache(profile, page_size=4, token_budget=16, rerank_interval=4, max_cache_len=max_cache_len)
+    out = greedy(fc, ids, small, n=12, prefill_chunk_size=16)
+    assert small.get_seq_length() == out.shape[1] - 1 and small.stats.prompt_tokens == 45

@@ -24,6 +24,8 @@ Rows:
   (:mod:`flexicache_hf.bench.grouped_sdpa`) is SDPA that reads each KV head once (no ``repeat_kv`` under a
   mask) and prefills without a quadratic mask: the strongest StaticCache configuration we found.  An
   unsupported variant or an out-of-memory records ``{"error": ...}`` and the run goes on.
+  ``--static-prefill-chunk N`` gives these rows transformers' chunked prefill (``prefill_chunk_size``): a
+  prompt whose one-shot prefill does not fit beside a static buffer (16 × 30k on the H200) then fits.
 * ``offloaded``: ``cache_implementation="offloaded"`` (``DynamicCache`` with layer-wise CPU offload);
   fewer steps (``--offloaded-tokens``) since each costs ~1 s at long contexts.
 * ``flexicache``: ``FlexiCache(profile, token_budget=..., max_cache_len=prompt + new)``, **eager**
@@ -501,6 +503,9 @@ def generate_once(model, ids, row: str, args, new: int, *, profile=None, stop_af
               stopping_criteria=StoppingCriteriaList([clock.stop]), pad_token_id=0)
     if eager or not is_compiled(row):
         kw["disable_compile"] = True
+    chunk = getattr(args, "static_prefill_chunk", 0) if row.startswith("static") else 0
+    if chunk:  # a StaticCache prompt too long to prefill at once (16 x 30k): transformers' chunked prefill
+        kw["prefill_chunk_size"] = chunk
     if row == "offloaded" and args.host_limit_gb > 0:
         need = kv_bytes(model.config, ids.shape[0], ids.shape[1] + new)
         if need > args.host_limit_gb * 1e9:
@@ -529,7 +534,7 @@ def generate_once(model, ids, row: str, args, new: int, *, profile=None, stop_af
                pinned_allocs_during=after["pinned_allocs"] - before["pinned_allocs"],
                pinned_bytes_added=after["pinned_locked"] - before["pinned_locked"],
                dynamo_graphs_added=graphs1 - graphs0, batch=ids.shape[0], prompt_tokens=ids.shape[1],
-               compiled=is_compiled(row) and not eager)
+               compiled=is_compiled(row) and not eager, prefill_chunk_size=chunk or None)
     if rec0 is not None and rec1 is not None and rec1 >= rec0:
         res["cudagraphs_recorded"] = rec1 - rec0  # 0: every compiled step replayed graphs recorded earlier
     cg = {k: v - cg0.get(k, 0) for k, v in cg1.items() if v - cg0.get(k, 0)}
@@ -786,6 +791,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--rows", default=",".join(ROWS), help=f"comma separated, of {ROWS} (or static-<impl>)")
     ap.add_argument("--static-variants", default="sdpa",
                     help="attention implementations of the static row, comma separated (sdpa,eager,flex_attention)")
+    ap.add_argument("--static-prefill-chunk", type=int, default=0, metavar="TOKENS",
+                    help="static rows prefill in chunks of this many tokens (generate's prefill_chunk_size; 0: at once)")
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--offloaded-tokens", type=int, default=16)
     ap.add_argument("--budget", type=int, default=1024)
