@@ -54,8 +54,8 @@ step clock then also drops a marker (``record_function``) at every stamp, in the
 window from the 4th stamp to the last (N + 4 decode steps, after the prefill and the first steps), the union of
 the CUDA kernel / memcpy / memset intervals (clipped to the window) divided by the window is
 ``gpu_busy_fraction``; kernels whose start lies in the window per step is ``kernels_per_step``; also
-``gpu_busy_ms_per_step``, ``window_ms_per_step``, ``graph_launches_per_step``, and ``top_kernels`` (the 15
-device operations with the most time per step).  The clock synchronises every step
+``gpu_busy_ms_per_step``, ``window_ms_per_step``, ``graph_launches_per_step``, and ``top_kernels`` (the 80
+device operations with the most time per step: where the kernels of a step come from).  The clock synchronises every step
 (as in the measured call), so the fraction explains the measured step: ``busy × step`` is GPU time, the rest is
 host time per step (generate's Python, the launch of a graph or of eager kernels).  The profiler's own overhead
 slows the host side somewhat.  A trace without step markers or device events records ``profile_error``.
@@ -105,6 +105,7 @@ ROWS = ("dynamic", "static", "offloaded", "flexicache", "flexicache-graph")
 WARMUP_STEPS = 4
 MARK = "flexicache_bench.step"  # the profiler marker the step clock drops at every stamp
 PROFILE_SKIP = 3  # the profile window starts at the 4th stamp
+TOP_KERNELS = 80  # device operations listed per profiled row (names cut to 80 characters)
 
 
 class StepClock:
@@ -565,7 +566,7 @@ def profile_decode(model, ids, row, args, profile) -> dict:
         events = kineto.events() if kineto is not None else prof.events()
         dev, marks, launches = split_events(events, names=True)
         out = gpu_busy(dev, marks, graph_launches=launches)
-        out["top_kernels"] = top_kernels(dev, marks)
+        out["top_kernels"] = top_kernels(dev, marks, n=TOP_KERNELS)
         out.update(profile_tokens=new, profile_median_step_ms=res.get("median_step_ms"),
                    profile_graphs_added=res["dynamo_graphs_added"], profile_parse_s=time.perf_counter() - t)
         return out
