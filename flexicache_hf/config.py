@@ -37,6 +37,11 @@ class FlexiCacheConfig:
             pages are ranked by.  ``"max"`` (the paper, Quest): the group's largest bound.  ``"mass"``: each query
             head's bounds as an estimated attention distribution over pages (softmax of the scaled bound), summed
             over the group — the quantity an oracle selection maximises.
+        bound_shrink: the weight ``λ`` of each page's per-channel half-range in its score.  The page score is
+            Quest's bound ``q·c + Σ_i |q_i| h_i`` over the page's key box (centre ``c``, half-range ``h``, from the
+            MinMax cache); ``λ < 1`` scores ``q·c + λ Σ_i |q_i| h_i``, which is no longer an upper bound.  ``1`` =
+            the paper.  An offline study recovered more of the exact attention mass at ``λ = 0.5`` on
+            Qwen2.5-Coder-0.5B (``docs/benchmarks/NOTES.md``); its effect on generation is not measured yet.
         stagger_reranks: ``False`` (the paper): every layer's stable heads re-rank on the same steps ``R, 2R,
             ...``, so every R-th step promotes all layers' new pages at once.  ``True``: layer ``l`` re-ranks them
             on the steps ``s ≡ l (mod R)``, ``s > 0``, so each step promotes ~1/R of the pages: the same interval per
@@ -53,6 +58,7 @@ class FlexiCacheConfig:
     recent_pages: int = 0
     group_score: str = "max"
     stagger_reranks: bool = False
+    bound_shrink: float = 1.0
 
     def __post_init__(self) -> None:
         ps = self.page_size
@@ -80,6 +86,10 @@ class FlexiCacheConfig:
             )
         if self.group_score not in GROUP_SCORES:
             raise ConfigError(f"group_score must be one of {GROUP_SCORES}, got {self.group_score!r}")
+        lam = self.bound_shrink
+        if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not 0 <= lam <= 1:
+            raise ConfigError(f"bound_shrink must be a number in [0, 1], got {lam!r}")
+        object.__setattr__(self, "bound_shrink", float(lam))
         cap = self.host_memory_limit
         if cap is not None and (not _is_int(cap) or cap < 0):
             raise ConfigError(f"host_memory_limit must be None or a non-negative number of bytes, got {cap!r}")

@@ -58,9 +58,9 @@ class Reranker:
 
     def __init__(self, batch: int, num_kv_heads: int, unstable: tuple[int, ...], budget_pages: int,
                  max_recent: int, device: torch.device, sink_pages: int = 0, recent_pages: int = 0,
-                 group_score: str = "max"):
+                 group_score: str = "max", bound_shrink: float = 1.0):
         self.budget_pages, self.max_recent = budget_pages, max_recent
-        self.group_score = group_score
+        self.group_score, self.bound_shrink = group_score, bound_shrink
         self.sink_pages, self.recent_pages = sink_pages, recent_pages
         self.unstable_host = tuple(unstable)
         self.num_stable = num_kv_heads - len(unstable)
@@ -112,7 +112,8 @@ class Reranker:
 
     def _scores(self, ops: KernelOps, query, kmin, kmax, heads, num_pages, active, scale) -> torch.Tensor:
         """The page scores this layer ranks by: the bound combined as ``group_score`` says, forced pages +inf."""
-        scores = ops.page_scores(query, kmin, kmax, heads, num_pages, active, self.group_score, scale)
+        scores = ops.page_scores(query, kmin, kmax, heads, num_pages, active, self.group_score, scale,
+                                 self.bound_shrink)
         return force_pages(scores, num_pages, self.sink_pages, self.recent_pages)
 
     def attend_list(self, newest: torch.Tensor, anchor: torch.Tensor, due: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,10 @@ def gen(model, ids, cache, n=4, **kw):
     (dict(rerank_interval=2.0), "positive integer"),
     (dict(group_score="sum"), "group_score must be one of"),
     (dict(stagger_reranks=1), "stagger_reranks must be a bool"),
+    (dict(bound_shrink=1.5), "bound_shrink must be a number in"),
+    (dict(bound_shrink=-0.1), "bound_shrink must be a number in"),
+    (dict(bound_shrink=float("nan")), "bound_shrink must be a number in"),
+    (dict(bound_shrink=True), "bound_shrink must be a number in"),
 ])
 def test_bad_config_values(fields, match):
     with pytest.raises(ConfigError, match=match):

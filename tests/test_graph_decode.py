@@ -91,6 +91,23 @@ def test_compiled_decode_with_group_mass_equals_eager(setup):
     assert not torch.equal(sel(by_max), sel(eager_cache))
 
 
+def test_compiled_decode_with_a_shrunk_bound_equals_eager(setup):
+    """bound_shrink=0.5 reaches the compiled step's page scores: the same tokens as eagerly, and a selection of
+    its own (not the bound's)."""
+    cfg, fc, _, ids, mask = setup
+    prof = HeadProfile.from_unstable(cfg, [(0, 1)])
+    make = lambda lam: FlexiCache(prof, page_size=4, token_budget=12, rerank_interval=5,  # noqa: E731
+                                  bound_shrink=lam, max_cache_len=37 + 24)
+    eager_cache = make(0.5)
+    eager = run(fc, ids, mask, eager_cache, 24, compiled=False)
+    cache = make(0.5)
+    assert torch.equal(run(fc, ids, mask, cache, 24, compiled=True), eager)
+    bound = make(1.0)
+    run(fc, ids, mask, bound, 24, compiled=False)
+    sel = lambda c: torch.stack([layer.reranker.selected for layer in c.layers])  # noqa: E731
+    assert not torch.equal(sel(bound), sel(eager_cache))
+
+
 def test_compiled_decode_with_staggered_reranks_equals_eager(setup):
     """stagger_reranks=True in the compiled step (the per-layer due flags and anchors advance on the device):
     the same tokens and counters as eagerly, in one graph."""

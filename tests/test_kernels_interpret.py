@@ -193,6 +193,31 @@ else:
             fin = torch.isfinite(ref)
             torch.testing.assert_close(ours[fin], ref[fin], rtol=1e-5, atol=1e-4)
 
+    @pytest.mark.parametrize("shrink", [0.0, 0.5])
+    @pytest.mark.parametrize("combine", ["max", "mass"])
+    def test_page_scores_narrowed_box(shrink, combine):
+        """bound_shrink < 1: the Triton kernel scores the narrowed box as the reference does, and the reference
+        is ``q . c + shrink * sum |q| h`` (centre c, half-range h)."""
+        torch.manual_seed(5)
+        B, H, G, ps, L, D = 2, 2, 7, 8, 100, 64
+        cap = L // ps + 3
+        kmin, kmax = make_minmax(B, H, cap, D, torch.float16)
+        R.minmax_update(kmin, kmax, torch.randn(B, H, L, D).half(), 0, torch.tensor([0, 20]), ps)
+        q = torch.randn(B, H * G, D).half()
+        n, heads = L // ps + 1, torch.arange(H)
+        ours = page_scores(q, kmin, kmax, heads, n, None, combine, 0.125, shrink)
+        ref = R.page_scores(q, kmin, kmax, heads, n, None, combine, 0.125, shrink)
+        assert torch.equal(torch.isneginf(ours), torch.isneginf(ref))
+        fin = torch.isfinite(ref)
+        torch.testing.assert_close(ours[fin], ref[fin], rtol=1e-5, atol=1e-4)
+        if combine == "max":
+            lo, hi = kmin[:, :, :n].float(), kmax[:, :, :n].float()
+            c, h = (lo + hi) / 2, (hi - lo) / 2
+            qg = q.float().view(B, H, G, 1, D)
+            want = ((qg * c[:, :, None]).sum(-1) + shrink * (qg.abs() * h[:, :, None]).sum(-1)).amax(2)
+            torch.testing.assert_close(ref[fin], want[fin], rtol=1e-5, atol=1e-4)
+        assert not torch.equal(ref, R.page_scores(q, kmin, kmax, heads, n, None, combine, 0.125))
+
     @pytest.mark.parametrize("combine", ["max", "mass"])
     def test_page_scores_device_count_and_active_heads(combine):
         """The decode step's form: the page count read on the device, every head, only the due ones scored."""

@@ -112,16 +112,17 @@ def test_group_mass_lets_each_query_head_have_its_page():
     assert s.sum().item() == pytest.approx(2.0, abs=1e-5)  # one distribution per query head
 
 
-@pytest.mark.parametrize("group_score", ["max", "mass"])
-def test_quest_ref_matches_flexicache_quest_for_either_group_score(models, group_score):
-    """The Triton-free reference path and FlexiCache's own selection agree for both combines (and the two
-    combines do select differently on this model)."""
+@pytest.mark.parametrize("group_score,shrink", [("max", 1.0), ("mass", 1.0), ("mass", 0.5)])
+def test_quest_ref_matches_flexicache_quest_for_either_group_score(models, group_score, shrink):
+    """The Triton-free reference path and FlexiCache's own selection agree for both combines and a shrunk bound
+    (and the two combines do select differently on this model)."""
     fc, _ = models
     prompt = torch.randint(1, 96, (1, 120), generator=torch.Generator().manual_seed(1))
     cont = torch.randint(1, 96, (1, 10), generator=torch.Generator().manual_seed(2))
     profiles = ProfileSource(fc.config, None)
-    q = make_cache(Policy("quest", 3 * PS, group_score=group_score), fc.config, 120, profiles)
-    r = make_cache(Policy("quest-ref", 3 * PS, group_score=group_score), fc.config, 120, profiles)
+    q = make_cache(Policy("quest", 3 * PS, group_score=group_score, bound_shrink=shrink), fc.config, 120, profiles)
+    r = make_cache(Policy("quest-ref", 3 * PS, group_score=group_score, bound_shrink=shrink), fc.config, 120,
+                   profiles)
     torch.testing.assert_close(step_logits(fc, prompt, cont, r), step_logits(fc, prompt, cont, q),
                                atol=1e-4, rtol=1e-4)
     if group_score == "mass":
@@ -134,6 +135,9 @@ def test_quest_ref_matches_flexicache_quest_for_either_group_score(models, group
 def test_group_score_applies_to_bound_families_only():
     with pytest.raises(ValueError, match="group_score applies"):
         Policy("oracle", 64, group_score="mass")
+    with pytest.raises(ValueError, match="bound_shrink applies"):
+        Policy("snapkv", 64, bound_shrink=0.5)
+    assert Policy("quest", 64, group_score="mass", bound_shrink=0.5).label == "quest-mass-shrink0.5@64"
     assert Policy("flexicache", 64, 16, 0.25, "measured", 1, 4, "mass").label == \
         "flexicache-R16-u25-sink1-recent4-mass@64"
 

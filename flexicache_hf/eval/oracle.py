@@ -75,12 +75,12 @@ def page_minmax(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch
 
 
 def page_bound(query: torch.Tensor, keys: torch.Tensor, page_size: int, combine: str = "max",
-               scale: float | None = None) -> torch.Tensor:
+               scale: float | None = None, shrink: float = 1.0) -> torch.Tensor:
     """Quest's upper bound per page ``[B, H, P]``, combined over the group as ``combine`` says (the group's
     maximum by default) — FlexiCache's page scores (the reference kernel) on the exact per-page key min/max."""
     lo, hi = page_minmax(keys, page_size)
     heads = torch.arange(keys.shape[1], device=keys.device)
-    return reference.page_scores(query, lo, hi, heads, lo.shape[2], None, combine, scale)
+    return reference.page_scores(query, lo, hi, heads, lo.shape[2], None, combine, scale, shrink)
 
 
 def select(scores: torch.Tensor, budget_pages: int, sink_pages: int = 0, recent_pages: int = 0) -> torch.Tensor:
@@ -145,7 +145,8 @@ class OracleLayer(DynamicLayer):
         L, ps = keys.shape[-2], self.config.page_size
         scale = self.scaling if self.scaling is not None else keys.shape[-1] ** -0.5
         mass = page_mass(q, keys, ps, scale)
-        scores = mass if self.rank == "mass" else page_bound(q, keys, ps, self.config.group_score, scale)
+        scores = mass if self.rank == "mass" else page_bound(q, keys, ps, self.config.group_score, scale,
+                                                             self.config.bound_shrink)
         pages = select(scores, self.config.budget_pages, self.config.sink_pages, self.config.recent_pages)
         self._record(pages, scores, mass, group=q.shape[1] // keys.shape[1])
         idx = gather_index(pages, L, ps)[..., None].expand(-1, -1, -1, keys.shape[-1])

@@ -42,6 +42,7 @@ class Policy:
     sink_pages: int = 0  # PAGED_FAMILIES only: first pages kept by every re-rank
     recent_pages: int = 0  # PAGED_FAMILIES only: newest pages kept by every re-rank
     group_score: str = "max"  # BOUND_FAMILIES only: FlexiCacheConfig.group_score (how a GQA group ranks pages)
+    bound_shrink: float = 1.0  # BOUND_FAMILIES only: FlexiCacheConfig.bound_shrink (the half-range's weight)
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -54,6 +55,8 @@ class Policy:
             raise ValueError(f"sink_pages / recent_pages apply to {PAGED_FAMILIES} only, not {self.family!r}")
         if self.group_score != "max" and self.family not in BOUND_FAMILIES:
             raise ValueError(f"group_score applies to {BOUND_FAMILIES} only, not {self.family!r}")
+        if self.bound_shrink != 1.0 and self.family not in BOUND_FAMILIES:
+            raise ValueError(f"bound_shrink applies to {BOUND_FAMILIES} only, not {self.family!r}")
 
     @property
     def label(self) -> str:
@@ -63,6 +66,7 @@ class Policy:
         budget = f"{b}" if isinstance(b, int) else f"1/{round(1 / b)}"
         forced = f"-sink{self.sink_pages}-recent{self.recent_pages}" if self.sink_pages or self.recent_pages else ""
         forced += f"-{self.group_score}" if self.group_score != "max" else ""
+        forced += f"-shrink{self.bound_shrink:g}" if self.bound_shrink != 1.0 else ""
         if self.family == "flexicache":
             tag = "-random" if self.profile == "random" else ""
             return f"flexicache-R{self.rerank_interval}-u{round(100 * self.unstable_fraction)}{tag}{forced}@{budget}"
@@ -136,11 +140,12 @@ def make_cache(policy: Policy, model_config, context: int, profiles: ProfileSour
         prof = HeadProfile.all_unstable(model_config) if quest else profiles.profile(policy.unstable_fraction, policy.profile)
         cfg = FlexiCacheConfig(page_size=page_size, token_budget=budget, rerank_interval=policy.rerank_interval,
                                offload=not quest, sink_pages=policy.sink_pages, recent_pages=policy.recent_pages,
-                               group_score=policy.group_score)
+                               group_score=policy.group_score, bound_shrink=policy.bound_shrink)
         return FlexiCache(prof, cfg, model_config=model_config, kernels=kernels)
     if policy.family in ("oracle", "quest-ref"):
         cfg = FlexiCacheConfig(page_size=page_size, token_budget=budget, sink_pages=policy.sink_pages,
-                               recent_pages=policy.recent_pages, group_score=policy.group_score)
+                               recent_pages=policy.recent_pages, group_score=policy.group_score,
+                               bound_shrink=policy.bound_shrink)
         return oracle_cache(layers, cfg, rank="mass" if policy.family == "oracle" else "bound")
     if policy.family == "streaming":
         return streaming_cache(layers, budget)

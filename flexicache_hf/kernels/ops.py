@@ -34,12 +34,12 @@ def _impl(name: str, t: Tensor):
 
 @custom_op("flexicache::page_scores", mutates_args=())
 def page_scores_op(query: Tensor, kmin: Tensor, kmax: Tensor, heads: Tensor, num_pages: Tensor,
-                   active: Tensor, combine: str, scale: float) -> Tensor:
-    return _impl("page_scores", query)(query, kmin, kmax, heads, num_pages, active, combine, scale)
+                   active: Tensor, combine: str, scale: float, shrink: float) -> Tensor:
+    return _impl("page_scores", query)(query, kmin, kmax, heads, num_pages, active, combine, scale, shrink)
 
 
 @page_scores_op.register_fake
-def _(query, kmin, kmax, heads, num_pages, active, combine, scale):
+def _(query, kmin, kmax, heads, num_pages, active, combine, scale, shrink):
     return query.new_empty((query.shape[0], heads.shape[0], kmin.shape[2]), dtype=torch.float32)
 
 
@@ -88,11 +88,11 @@ def _(k_pool, v_pool, kmin, kmax, key, value, rows, page):
 def traced(name: str, eager):
     """``eager`` (a kernel with the :mod:`.reference` signature), or its op while torch.compile traces."""
 
-    def page_scores(query, kmin, kmax, heads, num_pages, active=None, combine="max", scale=None):
+    def page_scores(query, kmin, kmax, heads, num_pages, active=None, combine="max", scale=None, shrink=1.0):
         if torch.compiler.is_compiling():
             scale = query.shape[-1] ** -0.5 if scale is None else scale
-            return page_scores_op(query, kmin, kmax, heads, num_pages, active, combine, float(scale))
-        return eager(query, kmin, kmax, heads, num_pages, active, combine, scale)
+            return page_scores_op(query, kmin, kmax, heads, num_pages, active, combine, float(scale), float(shrink))
+        return eager(query, kmin, kmax, heads, num_pages, active, combine, scale, shrink)
 
     def select_pages(scores, k, *, num_pages=None, active=None, out=None):
         if torch.compiler.is_compiling():

@@ -103,6 +103,17 @@ def group_mass(bounds: torch.Tensor, scale: float) -> torch.Tensor:
     return mass.masked_fill(~torch.isfinite(bounds).any(2), NEG_INF)
 
 
+def check_shrink(shrink: float) -> None:
+    if not 0.0 <= shrink <= 1.0:
+        raise ValueError(f"the bound's shrink must lie in [0, 1], got {shrink!r}")
+
+
+def narrowed(lo: torch.Tensor, hi: torch.Tensor, shrink: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The box ``c ± shrink * h`` of ``[lo, hi]`` (``c`` its centre, ``h`` its half-width), as new ends."""
+    a, b = (1.0 + shrink) / 2, (1.0 - shrink) / 2
+    return a * lo + b * hi, a * hi + b * lo
+
+
 def page_scores(
     query: torch.Tensor,  # [B, Hq, D] the decode step's queries
     kmin: torch.Tensor,  # [B, H, P_cap, D]
@@ -112,6 +123,7 @@ def page_scores(
     active: torch.Tensor | None = None,  # [h] bool: heads scored now (None: all); inactive rows are -inf
     combine: str = "max",  # config.GROUP_SCORES: how the group's query heads make one score
     scale: float | None = None,  # the attention's softmax scale ("mass"; None: D ** -0.5)
+    shrink: float = 1.0,  # FlexiCacheConfig.bound_shrink: the half-range's weight (1: Quest's bound)
 ) -> torch.Tensor:  # [B, h, num_pages] float32 for an int count, [B, h, P_cap] (-inf past the count) for a tensor
     """Quest's upper bound ``sum_i max(q_i * kmin_i, q_i * kmax_i)`` per page and query head, for the given KV
     heads, combined over each KV head's group of query heads.
@@ -120,12 +132,17 @@ def page_scores(
     the **maximum** bound, so a page any query head may need strongly is ranked high (a sum or mean would let
     the other heads of the group outvote it).  ``combine="mass"``: :func:`group_mass` of the bounds.  Pages
     without a valid token score ``-inf``.
+
+    With ``c = (kmin + kmax) / 2`` and ``h = (kmax - kmin) / 2`` the bound is ``q . c + sum_i |q_i| h_i``;
+    ``shrink`` < 1 weighs the half-range by ``shrink`` (an estimate, no longer an upper bound), computed as the
+    same bound over the narrowed box ``c ± shrink * h``.
     """
     check_combine(combine)
+    check_shrink(shrink)
     if isinstance(num_pages, torch.Tensor):  # the device count: a row as wide as the cache, -inf past it
         n = int(num_pages.reshape(-1)[0])
         out = torch.full((query.shape[0], heads.numel(), kmin.shape[2]), NEG_INF, device=query.device)
-        out[:, :, :n] = page_scores(query, kmin, kmax, heads, n, active, combine, scale)
+        out[:, :, :n] = page_scores(query, kmin, kmax, heads, n, active, combine, scale, shrink)
         return out
     B, Hq, D = query.shape
     H = kmin.shape[1]
@@ -136,6 +153,8 @@ def page_scores(
     empty = hi[..., 0] == NEG_INF  # [B, h, P]
     lo = torch.where(empty[..., None], 0.0, lo)
     hi = torch.where(empty[..., None], 0.0, hi)
+    if shrink != 1.0:
+        lo, hi = narrowed(lo, hi, shrink)
     qe = q[:, :, :, None, :]  # [B, h, G, 1, D]
     bound = torch.maximum(qe * lo[:, :, None], qe * hi[:, :, None]).sum(-1)  # [B, h, G, P]
     if combine == "max":

@@ -18,7 +18,7 @@ from . import reference
 from ._util import pow2
 
 
-@triton.jit(do_not_specialize=["width", "n_sel"])
+@triton.jit(do_not_specialize=["width", "n_sel", "near", "far"])
 def _page_scores_kernel(
     q_ptr,  # [B, Hq, D] decode queries
     kmin_ptr,  # [B, H, P_cap, D]
@@ -29,10 +29,12 @@ def _page_scores_kernel(
     out_ptr,  # [B, h, width] float32, contiguous
     width,  # pages per output row (>= num_pages; -inf past num_pages)
     n_sel,  # h
+    near, far,  # SHRUNK: the narrowed box's ends are near * own end + far * the other end
     s_qb, s_qh, s_qd,
     s_mb, s_mh, s_mp, s_md,
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_MAX: tl.constexpr,  # True: store the group's maximum [B, h, width]; False: every head's [B, h, G, width]
+    SHRUNK: tl.constexpr,  # FlexiCacheConfig.bound_shrink < 1: score the narrowed box (reference.narrowed)
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_P: tl.constexpr,
@@ -59,6 +61,10 @@ def _page_scores_kernel(
     # Empty pages hold ±inf, whose products with 0 are NaN: zero them (their score is overwritten anyway).
     lo = tl.where(empty[:, None], 0.0, lo)
     hi = tl.where(empty[:, None], 0.0, hi)
+    if SHRUNK:
+        lo_n = near * lo + far * hi
+        hi = near * hi + far * lo
+        lo = lo_n
     best = tl.full([BLOCK_P], float("-inf"), tl.float32)
     for g in tl.static_range(GROUP):
         q = tl.load(q_ptr + b * s_qb + (h * GROUP + g) * s_qh + d * s_qd, mask=d_ok, other=0.0).to(tl.float32)
@@ -84,6 +90,7 @@ def page_scores(
     active: torch.Tensor | None = None,  # [h] bool: heads scored now (None: all)
     combine: str = "max",  # config.GROUP_SCORES
     scale: float | None = None,  # "mass": the attention's softmax scale (None: D ** -0.5)
+    shrink: float = 1.0,  # FlexiCacheConfig.bound_shrink
     *,
     block_p: int | None = None,  # pages per program (benchmarks sweep it); None = 64 (32 for D > 128)
     num_warps: int | None = None,  # None = 8 for D >= 128, else 4
@@ -91,6 +98,7 @@ def page_scores(
     """Same contract as :func:`reference.page_scores`; ``combine="mass"`` stores every query head's bound and
     combines them with the reference's :func:`~flexicache_hf.kernels.reference.group_mass`."""
     reference.check_combine(combine)
+    reference.check_shrink(shrink)
     B, Hq, D = query.shape
     H = kmin.shape[1]
     n_sel = heads.numel()
@@ -113,9 +121,9 @@ def page_scores(
     block_p = block_p or (64 if D <= 128 else 32)
     grid = (triton.cdiv(width, block_p), B * n_sel)
     _page_scores_kernel[grid](
-        query, kmin, kmax, heads, active, num_pages, out, width, n_sel,
+        query, kmin, kmax, heads, active, num_pages, out, width, n_sel, (1.0 + shrink) / 2, (1.0 - shrink) / 2,
         *query.stride(), *kmin.stride(),
-        GROUP=Hq // H, GROUP_MAX=group_max, D=D, BLOCK_D=pow2(D), BLOCK_P=block_p,
+        GROUP=Hq // H, GROUP_MAX=group_max, SHRUNK=shrink != 1.0, D=D, BLOCK_D=pow2(D), BLOCK_P=block_p,
         num_warps=num_warps or (8 if D >= 128 else 4),
     )
     if group_max:

@@ -134,6 +134,10 @@ def test_minmax_scores_select_match_reference(dtype, H, group, D, combine):
         torch.testing.assert_close(s[fin], s_ref[fin], **tol)
         for k in (64, 128, 1000):
             assert torch.equal(select_pages_triton(s_ref, k), R.select_pages(s_ref, k)), k
+        shrunk = GPU_OPS.page_scores(q, *mm, heads, n, None, combine, D ** -0.5, 0.5)  # bound_shrink
+        shrunk_ref = R.page_scores(q, *ref, heads, n, None, combine, D ** -0.5, 0.5)
+        assert torch.equal(torch.isneginf(shrunk), torch.isneginf(shrunk_ref))
+        torch.testing.assert_close(shrunk[fin], shrunk_ref[fin], **tol)
 
 
 @pytest.mark.parametrize("P,k", [(625, 64), (1875, 128), (2048, 130), (40, 64), (20000, 64)])
