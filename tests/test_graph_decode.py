@@ -101,7 +101,11 @@ def test_compiled_decode_with_a_shrunk_bound_equals_eager(setup):
     eager_cache = make(0.5)
     eager = run(fc, ids, mask, eager_cache, 24, compiled=False)
     cache = make(0.5)
-    assert torch.equal(run(fc, ids, mask, cache, 24, compiled=True), eager)
+    torch._dynamo.reset()  # another shrink is another program: keep the module's other tests within the limit
+    try:
+        assert torch.equal(run(fc, ids, mask, cache, 24, compiled=True), eager)
+    finally:
+        torch._dynamo.reset()
     bound = make(1.0)
     run(fc, ids, mask, bound, 24, compiled=False)
     sel = lambda c: torch.stack([layer.reranker.selected for layer in c.layers])  # noqa: E731
