@@ -337,6 +337,15 @@ def select_cpu() -> EvalConfig:
     return replace(oracle_cpu(), name="select-cpu", fidelity_budgets=(), fidelity_families=(), fidelity_extra=extra)
 
 
+def shrink_cpu() -> EvalConfig:
+    """``bound_shrink=0.5`` in generation on the embedded SmolLM2, CPU-sized like ``select-cpu`` (2 documents of
+    2,048 prompt tokens + 64 dense tokens, teacher-forced, budget 256): Quest-like and FlexiCache (measured
+    profile), with the group mass, with and without the shrink."""
+    extra = tuple(Policy(f, 256, group_score="mass", bound_shrink=lam) for f in ("quest", "flexicache")
+                  for lam in (1.0, 0.5))
+    return replace(select_cpu(), name="shrink-cpu", fidelity_extra=extra)
+
+
 def mass_tasks_cpu() -> EvalConfig:
     """``full``'s retrieval tasks (~800 tokens, SmolLM2) at 1/8 and 1/4, 4 samples: FlexiCache and Quest-like with
     the group maximum and with ``group_score="mass"`` — does the mass keep the needles?  CPU, ~15 min."""
@@ -394,7 +403,7 @@ def named_configs() -> dict:
             "oracle-qwen-cpu": oracle_qwen_cpu, "qwen-8k": qwen_8k, "qwen-16k": qwen_16k, "qwen-32k": qwen_32k,
             "select-16k": select_16k, "select-16k-pages8": select_16k_pages8, "select-16k-rest": select_16k_rest,
             "select-16k-seat": select_16k_seat, "select-16k-shrink": select_16k_shrink,
-            "select-cpu": select_cpu,
+            "select-cpu": select_cpu, "shrink-cpu": shrink_cpu,
             "profiles-qwen-cpu": profiles_qwen_cpu, "mass-tasks-cpu": mass_tasks_cpu,
             "profiles-qwen-cpu-budgets": profiles_qwen_cpu_budgets, "later-question-cpu": later_question_cpu,
             "question-in-prompt-cpu": question_in_prompt_cpu,
