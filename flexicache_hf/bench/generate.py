@@ -504,7 +504,7 @@ def generate_once(model, ids, row: str, args, new: int, *, profile=None, stop_af
               stopping_criteria=StoppingCriteriaList([clock.stop]), pad_token_id=0)
     if eager or not is_compiled(row):
         kw["disable_compile"] = True
-    chunk = getattr(args, "static_prefill_chunk", 0) if row.startswith("static") else 0
+    chunk = args.static_prefill_chunk if row.startswith("static") else 0
     if chunk:  # a StaticCache prompt too long to prefill at once (16 x 30k): transformers' chunked prefill
         kw["prefill_chunk_size"] = chunk
     if row == "offloaded" and args.host_limit_gb > 0:

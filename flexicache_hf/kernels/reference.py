@@ -108,10 +108,16 @@ def check_shrink(shrink: float) -> None:
         raise ValueError(f"the bound's shrink must lie in [0, 1], got {shrink!r}")
 
 
+def narrowing(shrink: float) -> tuple[float, float]:
+    """``(near, far)``: each end of the box ``c ± shrink * h`` is ``near`` times the same end of ``[lo, hi]`` plus
+    ``far`` times the other (``c`` the centre, ``h`` the half-width; both kernels use these weights)."""
+    return (1.0 + shrink) / 2, (1.0 - shrink) / 2
+
+
 def narrowed(lo: torch.Tensor, hi: torch.Tensor, shrink: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The box ``c ± shrink * h`` of ``[lo, hi]`` (``c`` its centre, ``h`` its half-width), as new ends."""
-    a, b = (1.0 + shrink) / 2, (1.0 - shrink) / 2
-    return a * lo + b * hi, a * hi + b * lo
+    """The box ``c ± shrink * h`` of ``[lo, hi]``, as new ends (see :func:`narrowing`)."""
+    near, far = narrowing(shrink)
+    return near * lo + far * hi, near * hi + far * lo
 
 
 def page_scores(

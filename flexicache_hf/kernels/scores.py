@@ -29,7 +29,7 @@ def _page_scores_kernel(
     out_ptr,  # [B, h, width] float32, contiguous
     width,  # pages per output row (>= num_pages; -inf past num_pages)
     n_sel,  # h
-    near, far,  # SHRUNK: the narrowed box's ends are near * own end + far * the other end
+    near, far,  # SHRUNK: reference.narrowing's weights of the narrowed box's ends
     s_qb, s_qh, s_qd,
     s_mb, s_mh, s_mp, s_md,
     GROUP: tl.constexpr,  # query heads per KV head
@@ -121,7 +121,7 @@ def page_scores(
     block_p = block_p or (64 if D <= 128 else 32)
     grid = (triton.cdiv(width, block_p), B * n_sel)
     _page_scores_kernel[grid](
-        query, kmin, kmax, heads, active, num_pages, out, width, n_sel, (1.0 + shrink) / 2, (1.0 - shrink) / 2,
+        query, kmin, kmax, heads, active, num_pages, out, width, n_sel, *reference.narrowing(shrink),
         *query.stride(), *kmin.stride(),
         GROUP=Hq // H, GROUP_MAX=group_max, SHRUNK=shrink != 1.0, D=D, BLOCK_D=pow2(D), BLOCK_P=block_p,
         num_warps=num_warps or (8 if D >= 128 else 4),

@@ -68,13 +68,6 @@ def mean_radius(q, X, m, s):  # ball bound: s (q.mu + |q| r), r = max_t |k_t - m
     return s * (q @ mu.T + q.norm(dim=-1, keepdim=True) * r[None, None]) + n.log()
 
 
-def mean_iso_gauss(q, X, m, s):  # log n + s q.mu + s^2 |q|^2 v / (2D), v = mean squared deviation
-    mu, n, mf = _masked_mean(X, m)
-    v = (((X - mu[:, None]) ** 2).sum(-1) * m.float()).sum(1) / n
-    D = X.shape[-1]
-    return s * (q @ mu.T) + n.log() + 0.5 * s * s * (q * q).sum(-1, keepdim=True) * v[None, None] / D
-
-
 def mean_pc1(q, X, m, s):  # Gaussian LSE with covariance = top principal direction + isotropic remainder
     mu, n, mf = _masked_mean(X, m)
     Xc = (X - mu[:, None]) * mf
@@ -142,31 +135,6 @@ def exact_max(q, X, m, s):  # not cheap: needs every key (reference)
 def exact_lse(q, X, m, s):  # not cheap: the oracle's per-head log page mass (up to a per-head constant)
     lg = torch.einsum("gqd,nsd->gqns", q, X) * s
     return torch.logsumexp(lg.masked_fill(~m, NEG), -1)
-
-
-# name -> (function, per-page memory in D units, group combines to evaluate)
-def registry(D=64):
-    sc = 1.0 / D
-    return {
-        "bound (Quest, current)": (bound, 2.0),
-        "bound shrink lam=0.75": (bound_shrink(0.75), 2.0),
-        "bound shrink lam=0.5": (bound_shrink(0.5), 2.0),
-        "bound shrink lam=0.25": (bound_shrink(0.25), 2.0),
-        "minmax centre (lam=0)": (bound_shrink(0.0), 2.0),
-        "mean": (mean, 1.0 + sc),
-        "mean + diag-Gauss var": (mean_gauss_diag, 2.0 + sc),
-        "mean + 1.0*diag-std": (mean_std_diag(1.0), 2.0 + sc),
-        "mean + 2.0*diag-std": (mean_std_diag(2.0), 2.0 + sc),
-        "mean + iso-Gauss var": (mean_iso_gauss, 1.0 + 2 * sc),
-        "mean + radius (ball bound)": (mean_radius, 1.0 + 2 * sc),
-        "mean + PC1 Gauss": (mean_pc1, 2.0 + 3 * sc),
-        "0.5 bound + 0.5 mean": (bound_mean_blend(0.5), 3.0),
-        "2-means centroids": (kmeans_est(2), 2.0 + 2 * sc),
-        "2-means + iso var": (kmeans_est(2, True), 2.0 + 4 * sc),
-        "4-means centroids": (kmeans_est(4), 4.0 + 4 * sc),
-        "exact max-token (ref, all keys)": (exact_max, None),
-        "exact page LSE (ref, all keys)": (exact_lse, None),
-    }
 
 
 def bound_temp(tau):  # Quest bound, softmax temperature changed in the "mass" combine (no extra memory)
