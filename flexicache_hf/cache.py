@@ -100,6 +100,9 @@ class PagedKV:
     keys: torch.Tensor
     values: torch.Tensor
     start: int
+    # A prompt chunk's offloaded heads, gathered once ``[B, len(slot_heads), T, D]``: the host copy reads them and
+    # so does the prompt's top-K seat, so the copy stream never holds the whole chunk (all heads) alive.
+    offloaded: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -291,6 +294,7 @@ class FlexiCacheLayer(CacheLayerMixin):
         owner.guard.begin(self.layer_idx, "update", empty=start == 0)  # validated: from here on storage changes
         self._join_copies()  # before growth re-lays the pool, and before a decode token enters a slot
         self._ensure_capacity(end)
+        offloaded = None
         if T == 1 and start > 0:
             if self.layer_idx == 0:
                 for state in self.states.values():
@@ -305,10 +309,12 @@ class FlexiCacheLayer(CacheLayerMixin):
                 self.pool.full_tokens("k")[:, :, start:end] = key_states[:, self.full_heads]
                 self.pool.full_tokens("v")[:, :, start:end] = value_states[:, self.full_heads]
             if self.slot_heads.numel():
-                self._append_chunk(key_states[:, self.slot_heads], value_states[:, self.slot_heads], start)
+                offloaded = (key_states[:, self.slot_heads].contiguous(),
+                             value_states[:, self.slot_heads].contiguous())
+                self._append_chunk(*offloaded, start)
         self.seq_len = end
         owner.guard.end(self.layer_idx, "update")
-        handle = PagedKV(self, key_states, value_states, start)
+        handle = PagedKV(self, key_states, value_states, start, offloaded)
         return handle, handle
 
     def catch_up(self) -> None:
@@ -425,7 +431,7 @@ class FlexiCacheLayer(CacheLayerMixin):
             key_valid = torch.arange(keys.shape[2], device=self.device)[None, :] >= self.valid_lo[:, None]
         out = dense_attention(query, keys, values, key_valid, scaling)
         if handle.start == 0 and self.reranker.num_stable:
-            self._seat_prompt_top_k(query[:, :, -1], keys, values, scaling)
+            self._seat_prompt_top_k(query[:, :, -1], handle.offloaded, scaling)
         if self.layer_idx == len(self.owner.layers) - 1 and self.owner.is_compileable:
             # The next step may be a graph replay, which cannot wait on the copy streams itself: the compute
             # stream waits here for the chunk's offload (on the device; the host goes on).
@@ -433,20 +439,22 @@ class FlexiCacheLayer(CacheLayerMixin):
                 layer._join_copies()
         return out
 
-    def _seat_prompt_top_k(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> None:
+    def _seat_prompt_top_k(self, q: torch.Tensor, offloaded: tuple[torch.Tensor, torch.Tensor] | None,
+                           scaling: float) -> None:
         """After a first prompt chunk: the stable heads' first top-K, from the prompt's last query ``q [B, Hq, D]``
         (the paper keeps a stable head's top-K pages on the device once the prompt is offloaded).  Offloaded heads
-        get those pages from the chunk still on the device, so no decode step loads them from the host; the
-        schedule re-ranks them next R steps later (or on their staggered phase), not at step 0.  On the copy
-        stream, behind the chunk's offload."""
+        get those pages from the chunk still on the device (``offloaded``: the chunk's keys and values of those
+        heads, ``[B, len(slot_heads), T, D]``, which the host copy holds anyway; ``None`` without offload), so no
+        decode step loads them from the host; the schedule re-ranks them next R steps later (or on their staggered phase), not at step 0.  On the
+        copy stream, behind the chunk's offload."""
         ps = self.config.page_size
         n = num_pages(self.seq_len, ps)
         with copy_context(self.copies):
-            self.copies.keep_alive(q, keys, values)
+            self.copies.keep_alive(q)
             wanted = self.reranker.seat_prompt(self.ops, q, self.kmin, self.kmax, n, scaling)
-            if self.slot_heads.numel():  # the offloaded heads are the stable ones, in the same order
+            if offloaded is not None:  # the offloaded heads are the stable ones, in the same order
                 pages, phys = self.slots.reseat(wanted)
-                seat_from_chunk(self.pool, pages, phys, keys, values, self.slot_heads, ps)
+                seat_from_chunk(self.pool, pages, phys, *offloaded, ps)
         self.state.anchor_of(self.layer_idx).fill_(n - 1)  # the newest page when they were ranked
         self.copies_pending = True
 

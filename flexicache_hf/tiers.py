@@ -364,17 +364,18 @@ def load_promoted(ops: KernelOps, pool: PagePool, host: HostTier, pages: torch.T
 
 
 def seat_from_chunk(pool: PagePool, pages: torch.Tensor, phys: torch.Tensor, keys: torch.Tensor,
-                    values: torch.Tensor, heads: torch.Tensor, page_size: int) -> None:
-    """Fill the slots ``phys`` with logical ``pages`` (both ``[B, len(heads), K]``, -1 = none) of KV ``heads``, taken
-    from a prompt chunk that starts at position 0 and is still on the device (``keys`` / ``values``
-    ``[B, H, T, D]``): device-to-device, instead of :func:`load_promoted` from the host tier.  Only the seated
-    pages' token rows are read (a past-the-end row of a partial page repeats the last token: never attended)."""
+                    values: torch.Tensor, page_size: int) -> None:
+    """Fill the slots ``phys`` with logical ``pages`` (both ``[B, heads, K]``, -1 = none) of the offloaded heads,
+    taken from a prompt chunk of those heads that starts at position 0 and is still on the device (``keys`` /
+    ``values`` ``[B, heads, T, D]``): device-to-device, instead of :func:`load_promoted` from the host tier.  Only
+    the seated pages' token rows are read (a past-the-end row of a partial page repeats the last token: never
+    attended)."""
     B, nT, K = pages.shape
     T = keys.shape[2]
     tok = pages.clamp_min(0)[..., None] * page_size + torch.arange(page_size, device=pages.device)  # [B, nT, K, ps]
     tok = tok.clamp_max(T - 1)
     b = torch.arange(B, device=pages.device)[:, None, None, None]
-    h = heads.to(pages.device)[None, :, None, None]
+    h = torch.arange(nT, device=pages.device)[None, :, None, None]
     dst = torch.where(pages >= 0, phys, NULL_PAGE).reshape(-1)  # nothing to seat: the null page, never read
     for src, buf in ((keys, pool.k), (values, pool.v)):
         rows = src[b, h, tok]  # [B, nT, K, ps, D]

@@ -295,3 +295,57 @@ def test_grouped_sdpa_static_cache_equals_dynamic_sdpa(padded):
     assert torch.equal(got, want) and torch.equal(chunked, want)
     keep = mask.bool()
     torch.testing.assert_close(logits[keep], ref_logits[keep], atol=1e-5, rtol=1e-4)
+
+
+def test_grouped_sdpa_takes_the_lower_right_causal_path_for_an_unpadded_chunk():
+    """A later prompt chunk of a static cache: transformers' mask is exactly causal from the chunk's offset, so the
+    baseline attends the filled keys with torch's lower-right causal bias; anything else keeps the mask."""
+    from transformers.masking_utils import sdpa_mask
+
+    from flexicache_hf.bench import grouped_sdpa
+
+    B, T, S, o = 2, 4, 12, 5
+    full = torch.ones(B, S, dtype=torch.long)
+    mask = sdpa_mask(batch_size=B, q_length=T, kv_length=S, q_offset=o, kv_offset=0, attention_mask=full,
+                     allow_is_causal_skip=False)
+    assert grouped_sdpa.causal_chunk_end(mask) == o + T
+    padded = full.clone()
+    padded[1, :2] = 0
+    pmask = sdpa_mask(batch_size=B, q_length=T, kv_length=S, q_offset=o, kv_offset=0, attention_mask=padded,
+                      allow_is_causal_skip=False)
+    assert grouped_sdpa.causal_chunk_end(pmask) is None
+    assert grouped_sdpa.causal_chunk_end(mask.transpose(-1, -2)[..., :T, :S]) is None  # not causal
+    torch.manual_seed(0)
+    q = torch.randn(B, 8, T, 16)
+    k, v = torch.randn(B, 2, S, 16), torch.randn(B, 2, S, 16)
+    k[:, :, o + T:] = v[:, :, o + T:] = float("nan")  # the unfilled tail is never read
+    got, _ = grouped_sdpa.grouped_sdpa(None, q, k, v, mask, scaling=0.25)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k[:, :, :o + T].repeat_interleave(4, 1), v[:, :, :o + T].repeat_interleave(4, 1),
+        attn_mask=mask[..., :o + T].bool(), scale=0.25).transpose(1, 2)
+    torch.testing.assert_close(got, want)
+
+
+def test_prefill_in_chunks_then_generate_gives_the_one_shot_tokens():
+    """``--static-prefill-chunk``: eager chunks fill a StaticCache with all but the last prompt token, generate
+    prefills that token and decodes; the tokens are those of a one-shot DynamicCache generate."""
+    from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
+
+    from conftest import tiny_config
+    from flexicache_hf.bench import grouped_sdpa
+
+    grouped_sdpa.register()
+    cfg = tiny_config("llama", heads=8, kv_heads=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    ids = torch.randint(2, 90, (2, 37))
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False, pad_token_id=0,
+              disable_compile=True)
+    with torch.no_grad():
+        want = model.generate(ids, past_key_values=DynamicCache(), **kw)
+        model.set_attn_implementation(grouped_sdpa.NAME)
+        cache = StaticCache(config=model.config, max_cache_len=64)
+        g.prefill_in_chunks(model, ids, cache, 16)  # 36 tokens: chunks of 16, 16 and 4
+        assert int(cache.get_seq_length()) == ids.shape[1] - 1
+        got = model.generate(ids, past_key_values=cache, **kw)
+    assert torch.equal(got, want)

@@ -24,8 +24,9 @@ Rows:
   (:mod:`flexicache_hf.bench.grouped_sdpa`) is SDPA that reads each KV head once (no ``repeat_kv`` under a
   mask) and prefills without a quadratic mask: the strongest StaticCache configuration we found.  An
   unsupported variant or an out-of-memory records ``{"error": ...}`` and the run goes on.
-  ``--static-prefill-chunk N`` gives these rows transformers' chunked prefill (``prefill_chunk_size``): a
-  prompt whose one-shot prefill does not fit beside a static buffer (16 × 30k on the H200) then fits.
+  ``--static-prefill-chunk N`` prefills these rows' prompts in eager chunks of N tokens (``prefill_in_chunks``,
+  timed as part of the first token) before ``generate`` takes the filled cache: a prompt whose one-shot prefill
+  does not fit beside a static buffer (16 × 30k on the H200) then fits.
 * ``offloaded``: ``cache_implementation="offloaded"`` (``DynamicCache`` with layer-wise CPU offload);
   fewer steps (``--offloaded-tokens``) since each costs ~1 s at long contexts.
 * ``flexicache``: ``FlexiCache(profile, token_budget=..., max_cache_len=prompt + new)``, **eager**
@@ -74,7 +75,8 @@ that passed its probe).  Host memory: FlexiCache gets
 KV would exceed it is refused before it runs, so a probe fails cleanly instead of the OS killing the process.
 
 ``--followup`` adds a multi-turn case: a prefix of the first case's length, then a follow-up turn of
-``--followup-tokens`` new prompt tokens on the same cache, timing the follow-up's first token (eager rows).
+``--followup-tokens`` new prompt tokens on the same cache, timing the follow-up's first token (eager rows; the
+median of ``--followup-repeats`` turns, each on a fresh cache).
 Models: ``llama8b`` is Llama-3.1-8B's shape with random bf16 weights (speed only) and the shipped
 Llama-3.1-8B-Instruct profile; ``smollm2`` is the embedded SmolLM2-135M-Instruct (real weights; ``--gguf`` or
 ``FLEXICACHE_GGUF``) with its measured profile, on real text.  A prompt longer than the model's context less the
@@ -505,8 +507,6 @@ def generate_once(model, ids, row: str, args, new: int, *, profile=None, stop_af
     if eager or not is_compiled(row):
         kw["disable_compile"] = True
     chunk = args.static_prefill_chunk if row.startswith("static") else 0
-    if chunk:  # a StaticCache prompt too long to prefill at once (16 x 30k): transformers' chunked prefill
-        kw["prefill_chunk_size"] = chunk
     if row == "offloaded" and args.host_limit_gb > 0:
         need = kv_bytes(model.config, ids.shape[0], ids.shape[1] + new)
         if need > args.host_limit_gb * 1e9:
@@ -515,6 +515,9 @@ def generate_once(model, ids, row: str, args, new: int, *, profile=None, stop_af
     model.set_attn_implementation(attn_impl(row))
     passed_in = cache is not None  # (the -reset row's: it runs on its own storage)
     cache = cache if cache is not None else new_cache(row, model, profile, args, cache_len or ids.shape[1] + new)
+    if chunk and cache is None:
+        raise RuntimeError("--static-prefill-chunk needs a StaticCache made here (this transformers' StaticCache "
+                           "signature is unknown)")
     if cache is not None:
         kw["past_key_values"] = cache
     else:
@@ -525,6 +528,8 @@ def generate_once(model, ids, row: str, args, new: int, *, profile=None, stop_af
     torch.cuda.reset_peak_memory_stats()
     torch.cuda.synchronize()
     clock.t0 = time.perf_counter()
+    if chunk:  # the time to first token includes the chunks
+        prefill_in_chunks(model, ids, cache, chunk)
     out = model.generate(ids, **kw)
     torch.cuda.synchronize()
     res = summarise(clock)
@@ -548,6 +553,22 @@ def generate_once(model, ids, row: str, args, new: int, *, profile=None, stop_af
                    device_kv_bytes=cache.device_bytes(), dense_kv_bytes=cache.dense_bytes(),
                    cache_is_compileable=bool(cache.is_compileable))
     return res, cache, out
+
+
+def prefill_in_chunks(model, ids: torch.Tensor, cache, chunk: int) -> None:
+    """``--static-prefill-chunk``: fill ``cache`` with every prompt token but the last, ``chunk`` tokens per eager
+    forward; ``generate`` then prefills the last token itself and decodes as usual (compiled, for a static cache).
+
+    Not ``generate(prefill_chunk_size=...)``: for a compileable cache ``generate`` compiles the chunks too, and on
+    the H200 image (torch 2.11, transformers 5.17) that compiled chunked prefill of a ``StaticCache`` failed at
+    16 × 30k, once with "accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run" and
+    once with a segmentation fault (``docs/benchmarks/generate.md``, run 10).  Prompts are unpadded here."""
+    end = ids.shape[1] - 1
+    with torch.no_grad():
+        for start in range(0, end, chunk):
+            stop = min(start + chunk, end)
+            model(input_ids=ids[:, start:stop], attention_mask=torch.ones_like(ids[:, :stop]),
+                  past_key_values=cache, use_cache=True, logits_to_keep=1)
 
 
 def profile_decode(model, ids, row, args, profile) -> dict:
@@ -626,20 +647,29 @@ def run_row(model, ids, row, args, profile, warmed: set, *, again: bool = True) 
 
 
 def run_followup(model, ids, args, profile, make_prompt) -> list[tuple[str, dict]]:
-    """Multi-turn: a prefix turn, then a ``--followup-tokens`` new prompt on the same cache (its TTFT); eager."""
+    """Multi-turn: a prefix turn, then a ``--followup-tokens`` new prompt on the same cache (its TTFT); eager.
+
+    One warm-up pass, then ``--followup-repeats`` measured ones (each on a fresh cache and prefix turn): a
+    follow-up's first token takes ~0.1 s at 1 × 16k, where one call varies by tens of percent, so ``ttft_s`` is
+    the median of the repeats (every one in ``ttft_runs_s``)."""
     out = []
     extra = make_prompt(ids.shape[0], args.followup_tokens)
     for row in ("dynamic", "flexicache"):
         err = None
         try:
-            for attempt in range(2):  # the first pass warms up, the second is measured
+            runs = []
+            for attempt in range(1 + max(1, args.followup_repeats)):  # the first pass warms up
                 total = ids.shape[1] + 8 + args.followup_tokens + args.new_tokens
                 cache = new_cache(row, model, profile, args, total)
                 _, cache, first = generate_once(model, ids, row, args, 8, profile=profile, cache=cache)
                 turn = torch.cat([first, extra], dim=1)
                 res, _, _ = generate_once(model, turn, row, args, args.new_tokens, profile=profile, cache=cache,
                                           stop_after=4)
-            out.append((f"{row}-followup", {**res, "prefix_tokens": ids.shape[1] + 8,
+                if attempt:
+                    runs.append(res["ttft_s"])
+                cache = None
+            out.append((f"{row}-followup", {**res, "ttft_s": statistics.median(runs), "ttft_runs_s": runs,
+                                            "prefix_tokens": ids.shape[1] + 8,
                                             "followup_tokens": args.followup_tokens}))
         except Exception as e:  # noqa: BLE001
             err = error_record(e)
@@ -793,7 +823,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--static-variants", default="sdpa",
                     help="attention implementations of the static row, comma separated (sdpa,eager,flex_attention)")
     ap.add_argument("--static-prefill-chunk", type=int, default=0, metavar="TOKENS",
-                    help="static rows prefill in chunks of this many tokens (generate's prefill_chunk_size; 0: at once)")
+                    help="static rows prefill in eager chunks of this many tokens before generate (0: at once)")
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--offloaded-tokens", type=int, default=16)
     ap.add_argument("--budget", type=int, default=1024)
@@ -814,6 +844,7 @@ def main(argv=None) -> list[dict]:
                     help="FlexiCache host_memory_limit and offloaded rows' cap (default 70%% of RAM; 0: none)")
     ap.add_argument("--followup", action="store_true", help="add the multi-turn follow-up case")
     ap.add_argument("--followup-tokens", type=int, default=512)
+    ap.add_argument("--followup-repeats", type=int, default=5, help="measured follow-up turns per row (median)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--tag", default=None, help="file name suffix (default: the model)")
     args = ap.parse_args(argv)
