@@ -453,7 +453,7 @@ class FlexiCacheLayer(CacheLayerMixin):
             self.copies.keep_alive(q)
             wanted = self.reranker.seat_prompt(self.ops, q, self.kmin, self.kmax, n, scaling)
             if offloaded is not None:  # the offloaded heads are the stable ones, in the same order
-                pages, phys = self.slots.reseat(wanted)
+                pages, phys = self.slots.reseat(self.ops, wanted)
                 seat_from_chunk(self.pool, pages, phys, *offloaded, ps)
         self.state.anchor_of(self.layer_idx).fill_(n - 1)  # the newest page when they were ranked
         self.copies_pending = True
@@ -499,7 +499,7 @@ class FlexiCacheLayer(CacheLayerMixin):
                                                rr.selected[:, heads], scores[:, heads, :n], n, q))
         if self.slot_heads.numel() and plan.may(stable_due):
             with copy_context(self.copies):
-                pages, phys = self.slots.reseat(rr.selected[:, self.slot_heads], None if stable_due else due)
+                pages, phys = self.slots.reseat(self.ops, rr.selected[:, self.slot_heads], None if stable_due else due)
                 load_promoted(self.ops, self.pool, self.host, pages, phys)
             self.copies.hand_off()
             st.counters.add("promoted", (pages >= 0).sum())

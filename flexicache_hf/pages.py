@@ -110,10 +110,6 @@ class PagePool:
         return self.table_buffer[:-1].view(self.table_shape)
 
     @property
-    def table_trash_index(self) -> int:
-        return self.table_buffer.numel() - 1
-
-    @property
     def device(self) -> torch.device:
         return self.k.device
 

@@ -21,6 +21,7 @@ import weakref
 import torch
 
 from .kernels import KernelOps
+from .kernels.reference import set_table_entries
 from .pages import NULL_PAGE, PagePool
 
 
@@ -280,14 +281,7 @@ class SlotTable:
 
     def _set_table(self, pages: torch.Tensor, phys: torch.Tensor) -> None:
         """page_table[b, slot_heads[t], pages[b, t, i]] = phys[b, t, i] where pages >= 0."""
-        table = self.pool.page_table
-        B, nT = pages.shape[:2]
-        cap = table.shape[2]
-        b = torch.arange(B, device=pages.device)[:, None, None]
-        h = self.pool.slot_heads.to(pages.device)[None, :, None]
-        idx = (b * table.shape[1] + h) * cap + pages.clamp_min(0)
-        idx = torch.where(pages >= 0, idx, self.pool.table_trash_index)  # -1 entries land in the spare slot
-        self.pool.table_buffer[idx.reshape(-1)] = phys.reshape(-1).to(table.dtype)
+        set_table_entries(self.pool.table_buffer, self.pool.slot_heads, self.pool.table_shape[1], pages, phys)
 
     def clear(self) -> None:
         """Forget every slot (their table entries go back to the null page)."""
@@ -316,37 +310,18 @@ class SlotTable:
         hit = (self.slot_page == page).int().argmax(-1, keepdim=True)
         return self.slot_phys.gather(-1, hit)[..., 0]
 
-    def reseat(self, wanted: torch.Tensor, when: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def reseat(self, ops: KernelOps, wanted: torch.Tensor, when: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Make exactly the pages ``wanted [B, heads, K]`` (-1 padded) resident (only where ``when``, a ``[1]``
         bool tensor, holds, if given: otherwise nothing changes).
 
         Evicted pages free their slots, which the promoted (wanted but absent) pages take.  Returns
         ``(pages, phys)`` ``[B, heads, K]`` of the promoted pages and their slots (-1 where nothing loads),
-        for the caller to fill from the host tier.  Fixed shapes, no host synchronisation: runs in a graph.
+        for the caller to fill from the host tier.  One kernel (``ops.reseat_slots``; the reference's ~10
+        operations), fixed shapes, no host synchronisation: runs in a graph.
         """
-        sp = self.slot_page
-        keep = (sp[..., :, None] == wanted[..., None, :]).any(-1) & (sp >= 0)  # [B, h, S]
-        present = (wanted[..., :, None] == sp[..., None, :]).any(-1)  # [B, h, K]
-        promote = (wanted >= 0) & ~present
-        if when is not None:
-            keep = torch.where(when, keep, sp >= 0)
-            promote = promote & when
-        evicted = torch.where(keep, torch.full_like(sp, -1), sp)
-        self._set_table(evicted, torch.full_like(evicted, NULL_PAGE))
-        sp = torch.where(keep, sp, torch.full_like(sp, -1))
-        # The r-th promoted page of a row takes the r-th free slot of that row.
-        free_order = torch.sort(keep.int(), dim=-1, stable=True).indices  # free slots first
-        rank = (promote.long().cumsum(-1) - 1).clamp_min(0)  # [B, h, K]
-        slot = free_order.gather(-1, rank.clamp_max(sp.shape[-1] - 1))
-        pages = torch.where(promote, wanted, torch.full_like(wanted, -1))
-        S = sp.shape[-1]
-        # Non-promoted entries write -1 into an extra dummy column, so one scatter needs no masking.
-        sp = torch.cat([sp, sp.new_full((*sp.shape[:2], 1), -1)], dim=-1)
-        sp.scatter_(-1, torch.where(promote, slot, torch.full_like(slot, S)), pages)
-        self.slot_page.copy_(sp[..., :S])  # in place: the table keeps its address (graphs read it)
-        phys = torch.where(promote, self.slot_phys.gather(-1, slot), torch.full_like(slot, -1))
-        self._set_table(pages, phys)
-        return pages, phys
+        return ops.reseat_slots(self.slot_page, wanted, self.slot_phys, self.pool.table_buffer, self.pool.slot_heads,
+                                self.pool.table_shape[1], NULL_PAGE, when)
 
 
 def copy_context(stream: CopyStream):

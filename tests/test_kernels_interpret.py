@@ -104,6 +104,7 @@ else:
     from flexicache_hf.kernels.minmax import minmax_update
     from flexicache_hf.kernels.scores import page_scores
     from flexicache_hf.kernels.select import select_pages, select_pages_triton
+    from flexicache_hf.kernels.slots import reseat_slots
     from flexicache_hf.kernels.sparse_decode import sparse_decode
 
     DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -359,3 +360,30 @@ else:
         out = sparse_decode(q, kp, vp, table, ours, valid_lo, L, D ** -0.5)
         want = R.sparse_decode(q, kp, vp, table, ref, valid_lo, L, D ** -0.5)
         assert rel_err(out, want) < 1e-5
+
+    # ---- reseat_slots ----------------------------------------------------------------------------------
+    @pytest.mark.parametrize("S,K", [(5, 4), (9, 8), (17, 16), (300, 260)])  # the last: the reference's path
+    def test_reseat_slots_matches_reference_over_rounds(S, K):
+        """Rounds of random wanted sets (some rows unpadded, some -1 padded, some rounds predicated off): the slot
+        rows, the page table (a flat buffer with its spare entry, heads not in slot order) and the returned
+        promotions are the reference's, round after round."""
+        g = torch.Generator().manual_seed(S * 100 + K)
+        B, H, nT, cap = 2, 3, 2, max(40, 2 * K)
+        heads = torch.tensor([2, 0])
+        phys = (1 + torch.arange(B * nT * S)).view(B, nT, S)
+        states = [(torch.full((B, nT, S), -1, dtype=torch.long),
+                   torch.zeros(B * H * cap + 1, dtype=torch.int32)) for _ in range(2)]
+        for rnd in range(12):
+            wanted = torch.full((B, nT, K), -1, dtype=torch.long)
+            for b in range(B):
+                for t in range(nT):
+                    n = int(torch.randint(0, K + 1, (1,), generator=g))
+                    pick = torch.randperm(cap, generator=g)[:n]
+                    wanted[b, t, :n] = pick if rnd % 3 else pick.sort().values
+            when = None if rnd % 4 == 0 else torch.tensor([bool(rnd % 5)])
+            (sp_r, tb_r), (sp_t, tb_t) = states
+            want = R.reseat_slots(sp_r, wanted, phys, tb_r, heads, H, 0, when)
+            got = reseat_slots(sp_t, wanted[:, :, :], phys, tb_t, heads, H, 0, when)
+            assert torch.equal(sp_t, sp_r), rnd
+            assert torch.equal(tb_t[:-1], tb_r[:-1]), rnd  # the spare entry is scratch
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), rnd

@@ -5,6 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from flexicache_hf.kernels import REFERENCE_OPS
 from flexicache_hf.pages import NULL_PAGE, PagePool, PoolLayout
 from flexicache_hf.tiers import SlotTable
 
@@ -32,7 +33,7 @@ def test_reseat_keeps_exactly_the_wanted_pages(rounds):
                 w = sorted(wanted_lists[b][h])
                 wanted[b, h, : len(w)] = torch.tensor(w, dtype=torch.long)
         before = slots.slot_page.clone()
-        pages, phys = slots.reseat(wanted)
+        pages, phys = slots.reseat(REFERENCE_OPS, wanted)
         for b in range(B):
             for h in range(HEADS):
                 want = set(wanted_lists[b][h])

@@ -29,6 +29,7 @@ class KernelOps:
     sparse_decode: Callable[..., torch.Tensor]
     copy_pages: Callable[..., None]
     copy_rows: Callable[..., None]
+    reseat_slots: Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
     def __reduce__(self):  # by name: a copied or unpickled cache uses this process's kernels
         return (ops_named, (self.name,))
@@ -45,6 +46,7 @@ REFERENCE_OPS = KernelOps(
     sparse_decode=traced("sparse_decode", reference.sparse_decode),
     copy_pages=traced("copy_pages", reference.copy_pages),
     copy_rows=reference.copy_rows,
+    reseat_slots=traced("reseat_slots", reference.reseat_slots),
 )
 
 

@@ -24,13 +24,15 @@ from .ops import traced
 from .row_copy import RowCopier
 from .scores import page_scores
 from .select import select_pages
+from .slots import reseat_slots
 from .sparse_decode import sparse_decode
 from .uva_copy import PageCopier
 
 # The kernels themselves (what the custom ops of .ops run on CUDA tensors).  The copier owns the compiled
 # NVRTC kernel (one per device, built on first use), so that cache lives exactly as long as this module.
 GPU_KERNELS = SimpleNamespace(append_token=append_token, page_scores=page_scores, select_pages=select_pages,
-                              sparse_decode=sparse_decode, copy_pages=PageCopier().copy_pages)
+                              sparse_decode=sparse_decode, copy_pages=PageCopier().copy_pages,
+                              reseat_slots=reseat_slots)
 
 # The decode-step kernels go through .ops (direct launches eagerly, custom ops under torch.compile); the
 # prompt-side ones (minmax over a chunk, row copies) run eagerly only.
@@ -43,4 +45,5 @@ GPU_OPS = KernelOps(
     sparse_decode=traced("sparse_decode", sparse_decode),
     copy_pages=traced("copy_pages", GPU_KERNELS.copy_pages),
     copy_rows=RowCopier().copy_rows,
+    reseat_slots=traced("reseat_slots", reseat_slots),
 )

@@ -85,6 +85,18 @@ def _(k_pool, v_pool, kmin, kmax, key, value, rows, page):
     return None
 
 
+@custom_op("flexicache::reseat_slots", mutates_args=("slot_page", "table_buffer"))
+def reseat_slots_op(slot_page: Tensor, wanted: Tensor, slot_phys: Tensor, table_buffer: Tensor, slot_heads: Tensor,
+                    num_heads: int, null_page: int, when: Tensor | None) -> tuple[Tensor, Tensor]:
+    return _impl("reseat_slots", wanted)(slot_page, wanted, slot_phys, table_buffer, slot_heads, num_heads,
+                                         null_page, when)
+
+
+@reseat_slots_op.register_fake
+def _(slot_page, wanted, slot_phys, table_buffer, slot_heads, num_heads, null_page, when):
+    return torch.empty_like(wanted), torch.empty_like(wanted)
+
+
 def traced(name: str, eager):
     """``eager`` (a kernel with the :mod:`.reference` signature), or its op while torch.compile traces."""
 
@@ -114,6 +126,11 @@ def traced(name: str, eager):
         if torch.compiler.is_compiling():
             return append_token_op(k_pool, v_pool, kmin, kmax, key, value, rows, page)
         return eager(k_pool, v_pool, kmin, kmax, key, value, rows, page)
+
+    def reseat_slots(slot_page, wanted, slot_phys, table_buffer, slot_heads, num_heads, null_page, when=None):
+        if torch.compiler.is_compiling():
+            return reseat_slots_op(slot_page, wanted, slot_phys, table_buffer, slot_heads, num_heads, null_page, when)
+        return eager(slot_page, wanted, slot_phys, table_buffer, slot_heads, num_heads, null_page, when)
 
     wrapper = locals()[name]
     wrapper.__doc__ = eager.__doc__

@@ -246,6 +246,63 @@ def sparse_decode(
     return out.reshape(B, Hq, D).to(query.dtype)
 
 
+def set_table_entries(table_buffer: torch.Tensor, slot_heads: torch.Tensor, num_heads: int, pages: torch.Tensor,
+                      phys: torch.Tensor) -> None:
+    """``table[b, slot_heads[t], pages[b, t, i]] = phys[b, t, i]`` where ``pages >= 0`` (in place), in the flat page
+    table ``table_buffer`` ``[B * num_heads * cap + 1]``; -1 entries land in its last, spare entry (one scatter,
+    no masking)."""
+    B = pages.shape[0]
+    cap = (table_buffer.numel() - 1) // max(1, B * num_heads)
+    b = torch.arange(B, device=pages.device)[:, None, None]
+    h = slot_heads.to(pages.device)[None, :, None]
+    idx = torch.where(pages >= 0, (b * num_heads + h) * cap + pages.clamp_min(0), table_buffer.numel() - 1)
+    table_buffer[idx.reshape(-1)] = phys.reshape(-1).to(table_buffer.dtype)
+
+
+def reseat_slots(
+    slot_page: torch.Tensor,  # [B, nT, S] int64 logical page each device slot holds (-1 = free), updated in place
+    wanted: torch.Tensor,  # [B, nT, K] int64 pages to make resident (-1 padded)
+    slot_phys: torch.Tensor,  # [B, nT, S] int64 physical page of each slot
+    table_buffer: torch.Tensor,  # [B * H * cap + 1] int32 page table (flat) and a last spare entry, updated in place
+    slot_heads: torch.Tensor,  # [nT] int64 the KV head of each slot row
+    num_heads: int,  # H, the table's heads
+    null_page: int,  # the physical page the table points evicted pages to
+    when: torch.Tensor | None = None,  # [1] bool: change nothing unless it holds (None: always)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Make exactly ``wanted`` resident in each (row, slot head): evicted pages (resident, not wanted) free their
+    slots, their table entries go to ``null_page``; the r-th promoted page (wanted, not resident; in ``wanted``'s
+    order) takes the r-th free slot (in slot order) and its table entry that slot's physical page.  Returns
+    ``(pages, phys)`` ``[B, nT, K]``: the promoted pages and their physical pages, -1 elsewhere (what the caller
+    loads from the host tier).  Fixed shapes, no host synchronisation."""
+    B, nT, S = slot_page.shape
+    sp = slot_page
+
+    def set_table(pages: torch.Tensor, phys: torch.Tensor) -> None:
+        set_table_entries(table_buffer, slot_heads, num_heads, pages, phys)
+
+    keep = (sp[..., :, None] == wanted[..., None, :]).any(-1) & (sp >= 0)  # [B, nT, S]
+    present = (wanted[..., :, None] == sp[..., None, :]).any(-1)  # [B, nT, K]
+    promote = (wanted >= 0) & ~present
+    if when is not None:
+        keep = torch.where(when, keep, sp >= 0)
+        promote = promote & when
+    evicted = torch.where(keep, torch.full_like(sp, -1), sp)
+    set_table(evicted, torch.full_like(evicted, null_page))
+    sp = torch.where(keep, sp, torch.full_like(sp, -1))
+    # The r-th promoted page of a row takes the r-th free slot of that row.
+    free_order = torch.sort(keep.int(), dim=-1, stable=True).indices  # free slots first
+    rank = (promote.long().cumsum(-1) - 1).clamp_min(0)  # [B, nT, K]
+    slot = free_order.gather(-1, rank.clamp_max(S - 1))
+    pages = torch.where(promote, wanted, torch.full_like(wanted, -1))
+    # Non-promoted entries write -1 into an extra dummy column, so one scatter needs no masking.
+    sp = torch.cat([sp, sp.new_full((B, nT, 1), -1)], dim=-1)
+    sp.scatter_(-1, torch.where(promote, slot, torch.full_like(slot, S)), pages)
+    slot_page.copy_(sp[..., :S])
+    phys = torch.where(promote, slot_phys.gather(-1, slot), torch.full_like(slot, -1))
+    set_table(pages, phys)
+    return pages, phys
+
+
 def copy_pages(
     dst: torch.Tensor,  # [N_dst, page_size, D]
     dst_index: torch.Tensor,  # [M] int64 destination pages; -1 = skip
