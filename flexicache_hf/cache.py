@@ -351,7 +351,7 @@ class FlexiCacheLayer(CacheLayerMixin):
         st.begin_layer(self.layer_idx)  # this layer's re-rank schedule for the step
         offloaded = self.slot_heads.numel() > 0
         if offloaded and plan.may(plan.new_page):
-            self.slots.place_new_page(st.page, self.tail_phys, None if plan.new_page else st.new_page)
+            self.slots.place_new_page(self.ops, st.page, self.tail_phys, None if plan.new_page else st.new_page)
         # Each head's physical row: resident heads' page from the page table, offloaded heads' newest slot.
         phys = self.pool.page_table.index_select(2, st.page)[..., 0].long()  # [B, H]
         if offloaded:
@@ -381,7 +381,7 @@ class FlexiCacheLayer(CacheLayerMixin):
             self.host.write_tokens(k, v, start)
             self.slots.clear()
             newest = (end - 1) // ps
-            self.slots.place_new_page(newest, self.tail_phys)
+            self.slots.place_new_page(self.ops, newest, self.tail_phys)
             pages = torch.full_like(self.tail_phys, newest)[..., None]
             load_promoted(self.ops, self.pool, self.host, pages, self.tail_phys[..., None])
         self.copies_pending = True  # joined by the next decode step, not now: later layers overlap the copy

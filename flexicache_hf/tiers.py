@@ -288,22 +288,14 @@ class SlotTable:
         self._set_table(self.slot_page, torch.full_like(self.slot_page, NULL_PAGE))
         self.slot_page.fill_(-1)
 
-    def place_new_page(self, page, tail: torch.Tensor, when: torch.Tensor | None = None) -> None:
+    def place_new_page(self, ops: KernelOps, page, tail: torch.Tensor, when: torch.Tensor | None = None) -> None:
         """Give logical ``page`` (an int, or a ``[1]`` device tensor) a free slot in every row/head and write
         its physical page into ``tail [B, heads]``; only where ``when`` (a ``[1]`` bool tensor) holds, if given.
-        A free slot always exists: slots = top-K + pages per interval."""
-        free = self.slot_page < 0
-        first = free.int().argmax(-1, keepdim=True)  # [B, heads, 1]
-        phys = self.slot_phys.gather(-1, first)
-        pages = torch.zeros_like(first) + page  # [B, heads, 1]
-        slot_value, table_pages, new_tail = pages, pages, phys[..., 0]
-        if when is not None:  # elsewhere the slot keeps its page, the table entry goes to its spare, the tail stays
-            slot_value = torch.where(when, pages, self.slot_page.gather(-1, first))
-            table_pages = torch.where(when, pages, -1)
-            new_tail = torch.where(when, new_tail, tail)
-        self.slot_page.scatter_(-1, first, slot_value)
-        self._set_table(table_pages, phys)
-        tail.copy_(new_tail)
+        A free slot always exists: slots = top-K + pages per interval.  One kernel (``ops.place_page``)."""
+        if not isinstance(page, torch.Tensor):
+            page = torch.full((1,), page, dtype=torch.long, device=self.slot_page.device)
+        ops.place_page(self.slot_page, self.slot_phys, self.pool.table_buffer, self.pool.slot_heads,
+                       self.pool.table_shape[1], page, tail, when)
 
     def phys_of(self, page: int) -> torch.Tensor:
         """Physical pages ``[B, heads]`` holding logical ``page`` (which must be resident)."""

@@ -104,7 +104,7 @@ else:
     from flexicache_hf.kernels.minmax import minmax_update
     from flexicache_hf.kernels.scores import page_scores
     from flexicache_hf.kernels.select import select_pages, select_pages_triton
-    from flexicache_hf.kernels.slots import reseat_slots
+    from flexicache_hf.kernels.slots import place_page, reseat_slots
     from flexicache_hf.kernels.sparse_decode import sparse_decode
 
     DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -387,3 +387,26 @@ else:
             assert torch.equal(sp_t, sp_r), rnd
             assert torch.equal(tb_t[:-1], tb_r[:-1]), rnd  # the spare entry is scratch
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), rnd
+
+    @pytest.mark.parametrize("S", [1, 5, 17])
+    def test_place_page_matches_reference(S):
+        """A new page into each (row, slot head)'s first free slot, the table and the tail: the reference's result,
+        with and without the predicate (off: nothing changes)."""
+        g = torch.Generator().manual_seed(S)
+        B, H, nT, cap = 3, 4, 2, 50
+        heads = torch.tensor([3, 1])
+        phys = (7 + torch.arange(B * nT * S)).view(B, nT, S)
+        for rnd in range(10):
+            sp = torch.randint(0, cap, (B, nT, S), generator=g)
+            free = torch.rand(B, nT, S, generator=g) < 0.4
+            free[..., int(torch.randint(0, S, (1,), generator=g))] = True  # a free slot always exists
+            sp[free] = -1
+            tb = torch.randint(0, 9, (B * H * cap + 1,), generator=g, dtype=torch.int32)
+            tail = torch.randint(0, 9, (B, nT), generator=g)
+            page = torch.tensor([int(torch.randint(0, cap, (1,), generator=g))])
+            when = None if rnd % 3 == 0 else torch.tensor([bool(rnd % 2)])
+            ref = (sp.clone(), tb.clone(), tail.clone())
+            R.place_page(ref[0], phys, ref[1], heads, H, page, ref[2], when)
+            place_page(sp, phys, tb, heads, H, page, tail, when)
+            assert torch.equal(sp, ref[0]) and torch.equal(tail, ref[2]), rnd
+            assert torch.equal(tb[:-1], ref[1][:-1]), rnd  # the spare entry is scratch

@@ -395,6 +395,17 @@ def profiles_qwen_cpu_budgets() -> EvalConfig:
     return replace(profiles_qwen_cpu(), name="profiles-qwen-cpu-budgets", fidelity_extra=extra)
 
 
+def shrink_qwen_cpu() -> EvalConfig:
+    """``bound_shrink=0.5`` in generation on Qwen2.5-Coder-0.5B (7 query heads per KV head), where the offline study
+    gained most, CPU-sized: 3 documents of 4,096 prompt tokens + 48 dense tokens, teacher-forced, budget 256
+    (1/16), 8-token pages, the group mass (the 16k grids' setting): Quest-like and FlexiCache (measured profile),
+    with and without the shrink (~25 min on 2 cores)."""
+    extra = tuple(Policy(f, 256, group_score="mass", bound_shrink=lam) for f in ("quest", "flexicache")
+                  for lam in (1.0, 0.5))
+    return replace(profiles_qwen_cpu(), name="shrink-qwen-cpu", fidelity_docs=3, fidelity_length=48, page_size=8,
+                   fidelity_extra=extra)
+
+
 def named_configs() -> dict:
     return {"tiny": tiny, "full": full, "gpu-short": gpu_short, "fidelity-3k": fidelity_3k,
             "profiles-3k": profiles_3k, "sinks-3k": sinks_3k, "recency-8k": recency_8k,
@@ -403,7 +414,7 @@ def named_configs() -> dict:
             "oracle-qwen-cpu": oracle_qwen_cpu, "qwen-8k": qwen_8k, "qwen-16k": qwen_16k, "qwen-32k": qwen_32k,
             "select-16k": select_16k, "select-16k-pages8": select_16k_pages8, "select-16k-rest": select_16k_rest,
             "select-16k-seat": select_16k_seat, "select-16k-shrink": select_16k_shrink,
-            "select-cpu": select_cpu, "shrink-cpu": shrink_cpu,
+            "select-cpu": select_cpu, "shrink-cpu": shrink_cpu, "shrink-qwen-cpu": shrink_qwen_cpu,
             "profiles-qwen-cpu": profiles_qwen_cpu, "mass-tasks-cpu": mass_tasks_cpu,
             "profiles-qwen-cpu-budgets": profiles_qwen_cpu_budgets, "later-question-cpu": later_question_cpu,
             "question-in-prompt-cpu": question_in_prompt_cpu,

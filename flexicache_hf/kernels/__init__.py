@@ -30,6 +30,7 @@ class KernelOps:
     copy_pages: Callable[..., None]
     copy_rows: Callable[..., None]
     reseat_slots: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    place_page: Callable[..., None]
 
     def __reduce__(self):  # by name: a copied or unpickled cache uses this process's kernels
         return (ops_named, (self.name,))
@@ -47,6 +48,7 @@ REFERENCE_OPS = KernelOps(
     copy_pages=traced("copy_pages", reference.copy_pages),
     copy_rows=reference.copy_rows,
     reseat_slots=traced("reseat_slots", reference.reseat_slots),
+    place_page=traced("place_page", reference.place_page),
 )
 
 

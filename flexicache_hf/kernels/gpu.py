@@ -24,7 +24,7 @@ from .ops import traced
 from .row_copy import RowCopier
 from .scores import page_scores
 from .select import select_pages
-from .slots import reseat_slots
+from .slots import place_page, reseat_slots
 from .sparse_decode import sparse_decode
 from .uva_copy import PageCopier
 
@@ -32,7 +32,7 @@ from .uva_copy import PageCopier
 # NVRTC kernel (one per device, built on first use), so that cache lives exactly as long as this module.
 GPU_KERNELS = SimpleNamespace(append_token=append_token, page_scores=page_scores, select_pages=select_pages,
                               sparse_decode=sparse_decode, copy_pages=PageCopier().copy_pages,
-                              reseat_slots=reseat_slots)
+                              reseat_slots=reseat_slots, place_page=place_page)
 
 # The decode-step kernels go through .ops (direct launches eagerly, custom ops under torch.compile); the
 # prompt-side ones (minmax over a chunk, row copies) run eagerly only.
@@ -46,4 +46,5 @@ GPU_OPS = KernelOps(
     copy_pages=traced("copy_pages", GPU_KERNELS.copy_pages),
     copy_rows=RowCopier().copy_rows,
     reseat_slots=traced("reseat_slots", reseat_slots),
+    place_page=traced("place_page", place_page),
 )

@@ -97,6 +97,17 @@ def _(slot_page, wanted, slot_phys, table_buffer, slot_heads, num_heads, null_pa
     return torch.empty_like(wanted), torch.empty_like(wanted)
 
 
+@custom_op("flexicache::place_page", mutates_args=("slot_page", "table_buffer", "tail"))
+def place_page_op(slot_page: Tensor, slot_phys: Tensor, table_buffer: Tensor, slot_heads: Tensor, num_heads: int,
+                  page: Tensor, tail: Tensor, when: Tensor | None) -> None:
+    _impl("place_page", slot_page)(slot_page, slot_phys, table_buffer, slot_heads, num_heads, page, tail, when)
+
+
+@place_page_op.register_fake
+def _(slot_page, slot_phys, table_buffer, slot_heads, num_heads, page, tail, when):
+    return None
+
+
 def traced(name: str, eager):
     """``eager`` (a kernel with the :mod:`.reference` signature), or its op while torch.compile traces."""
 
@@ -131,6 +142,11 @@ def traced(name: str, eager):
         if torch.compiler.is_compiling():
             return reseat_slots_op(slot_page, wanted, slot_phys, table_buffer, slot_heads, num_heads, null_page, when)
         return eager(slot_page, wanted, slot_phys, table_buffer, slot_heads, num_heads, null_page, when)
+
+    def place_page(slot_page, slot_phys, table_buffer, slot_heads, num_heads, page, tail, when=None):
+        if torch.compiler.is_compiling():
+            return place_page_op(slot_page, slot_phys, table_buffer, slot_heads, num_heads, page, tail, when)
+        return eager(slot_page, slot_phys, table_buffer, slot_heads, num_heads, page, tail, when)
 
     wrapper = locals()[name]
     wrapper.__doc__ = eager.__doc__

@@ -259,6 +259,32 @@ def set_table_entries(table_buffer: torch.Tensor, slot_heads: torch.Tensor, num_
     table_buffer[idx.reshape(-1)] = phys.reshape(-1).to(table_buffer.dtype)
 
 
+def place_page(
+    slot_page: torch.Tensor,  # [B, nT, S] int64 (updated in place)
+    slot_phys: torch.Tensor,  # [B, nT, S] int64
+    table_buffer: torch.Tensor,  # [B * H * cap + 1] int32 flat page table (updated in place)
+    slot_heads: torch.Tensor,  # [nT] int64
+    num_heads: int,
+    page: torch.Tensor,  # [1] int64 logical page
+    tail: torch.Tensor,  # [B, nT] int64 physical page of the newest page (updated in place)
+    when: torch.Tensor | None = None,  # [1] bool: change nothing unless it holds (None: always)
+) -> None:
+    """Give logical ``page`` the first free slot of every (row, slot head): the slot row, the table entry and
+    ``tail`` (its physical page).  A free slot must exist (slots = top-K + the pages of one interval)."""
+    free = slot_page < 0
+    first = free.int().argmax(-1, keepdim=True)  # [B, nT, 1]
+    phys = slot_phys.gather(-1, first)
+    pages = torch.zeros_like(first) + page  # [B, nT, 1]
+    slot_value, table_pages, new_tail = pages, pages, phys[..., 0]
+    if when is not None:  # elsewhere the slot keeps its page, the table entry goes to its spare, the tail stays
+        slot_value = torch.where(when, pages, slot_page.gather(-1, first))
+        table_pages = torch.where(when, pages, -1)
+        new_tail = torch.where(when, new_tail, tail)
+    slot_page.scatter_(-1, first, slot_value)
+    set_table_entries(table_buffer, slot_heads, num_heads, table_pages, phys)
+    tail.copy_(new_tail)
+
+
 def reseat_slots(
     slot_page: torch.Tensor,  # [B, nT, S] int64 logical page each device slot holds (-1 = free), updated in place
     wanted: torch.Tensor,  # [B, nT, K] int64 pages to make resident (-1 padded)

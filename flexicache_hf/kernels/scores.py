@@ -43,12 +43,33 @@ def _page_scores_kernel(
     bj = tl.program_id(1).to(tl.int64)
     b = bj // n_sel
     j = bj % n_sel
+    p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)  # [BLOCK_P] logical pages
+    active = tl.load(active_ptr + j).to(tl.int32)
+    if active == 0:
+        # A head not scored now (a stable head between its re-ranks, in a compiled step that launches every head):
+        # its row is -inf and nothing else is read, so such programs end after one store.
+        none = tl.full([BLOCK_P], float("-inf"), tl.float32)
+        if GROUP_MAX:
+            tl.store(out_ptr + bj * width + p, none, mask=p < width)
+        else:
+            for g in tl.static_range(GROUP):
+                tl.store(out_ptr + (bj * GROUP + g) * width + p, none, mask=p < width)
+    else:
+        _score_tile(q_ptr, kmin_ptr, kmax_ptr, heads_ptr, num_pages_ptr, out_ptr, p, b, j, bj, width, near, far,
+                    s_qb, s_qh, s_qd, s_mb, s_mh, s_mp, s_md, GROUP, GROUP_MAX, SHRUNK, D, BLOCK_D, BLOCK_P)
+
+
+@triton.jit
+def _score_tile(q_ptr, kmin_ptr, kmax_ptr, heads_ptr, num_pages_ptr, out_ptr, p, b, j, bj, width, near, far,
+                s_qb, s_qh, s_qd, s_mb, s_mh, s_mp, s_md,
+                GROUP: tl.constexpr, GROUP_MAX: tl.constexpr, SHRUNK: tl.constexpr, D: tl.constexpr,
+                BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr):
+    """One program's tile of pages ``p`` of (row ``b``, scored head ``j``): the bound of every query head of the
+    group, combined or stored per head."""
     h = tl.load(heads_ptr + j)
     num_pages = tl.load(num_pages_ptr)
-    active = tl.load(active_ptr + j).to(tl.int32)
-    p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)  # [BLOCK_P] logical pages
     d = tl.arange(0, BLOCK_D)
-    p_ok = (p < num_pages) & ((p * 0 + active) != 0)  # masked loads: no traffic (a vector: the interpreter)
+    p_ok = p < num_pages
     d_ok = d < D
     base = b * s_mb + h * s_mh
     off = base + p.to(tl.int64)[:, None] * s_mp + d[None, :] * s_md

@@ -24,6 +24,19 @@ MAX_CELLS = 1 << 15
 
 
 @triton.jit
+def _slot_row(nT):
+    """This program's (row, slot head): its flat index ``b * nT + t``, ``b`` and ``t``."""
+    i = tl.program_id(0).to(tl.int64)
+    return i, i // nT, i % nT
+
+
+def _check_contiguous(fn: str, **tensors: torch.Tensor) -> None:
+    for name, x in tensors.items():
+        if not x.is_contiguous():
+            raise ValueError(f"{fn} needs a contiguous {name}")
+
+
+@triton.jit
 def _reseat_kernel(
     slot_page_ptr,  # [B, nT, S] int64, contiguous (updated)
     wanted_ptr,  # [B, nT, K] int64, with strides
@@ -38,9 +51,7 @@ def _reseat_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    i = tl.program_id(0).to(tl.int64)  # b * nT + t
-    b = i // nT
-    t = i % nT
+    i, b, t = _slot_row(nT)
     s = tl.arange(0, BLOCK_S)
     k = tl.arange(0, BLOCK_K)
     s_ok = s < S
@@ -94,9 +105,7 @@ def reseat_slots(
     phys = torch.full_like(pages, -1)
     if B * nT == 0 or K == 0:
         return pages, phys
-    for name, x in (("slot_page", slot_page), ("slot_phys", slot_phys), ("table_buffer", table_buffer)):
-        if not x.is_contiguous():
-            raise ValueError(f"reseat_slots needs a contiguous {name}")
+    _check_contiguous("reseat_slots", slot_page=slot_page, slot_phys=slot_phys, table_buffer=table_buffer)
     cap = (table_buffer.numel() - 1) // (B * num_heads)
     heads = slot_heads.to(device=wanted.device, dtype=torch.long)
     _reseat_kernel[(B * nT,)](
@@ -106,3 +115,58 @@ def reseat_slots(
         num_warps=8 if pow2(S) * pow2(K) > 4096 else 4,
     )
     return pages, phys
+
+
+@triton.jit
+def _place_page_kernel(
+    slot_page_ptr,  # [B, nT, S] int64, contiguous (updated)
+    slot_phys_ptr,  # [B, nT, S] int64, contiguous
+    table_ptr,  # flat int32 page table (updated)
+    heads_ptr,  # [nT] int64
+    page_ptr,  # [1] int64
+    tail_ptr,  # [B, nT] int64, contiguous (updated)
+    when_ptr,  # [1] bool (read only if USE_WHEN)
+    nT, S, H, cap,
+    USE_WHEN: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    i, b, t = _slot_row(nT)
+    s = tl.arange(0, BLOCK_S)
+    s_ok = s < S
+    sp = tl.load(slot_page_ptr + i * S + s, mask=s_ok, other=0)
+    first = tl.min(tl.where(s_ok & (sp < 0), s, BLOCK_S), axis=0)  # the first free slot
+    on = first < S
+    if USE_WHEN:
+        on = on & (tl.load(when_ptr).to(tl.int32) != 0)
+    page = tl.load(page_ptr)
+    phys = tl.load(slot_phys_ptr + i * S + first, mask=on, other=0)
+    # Scalars as one-lane vectors: the interpreter takes no scalar masks.
+    one = tl.arange(0, 1)
+    lane = (one * 0 + on.to(tl.int32)) != 0
+    tl.store(slot_page_ptr + i * S + first + one, one * 0 + page, mask=lane)
+    row = (b * H + tl.load(heads_ptr + t)) * cap
+    tl.store(table_ptr + row + page + one, (one * 0 + phys).to(tl.int32), mask=lane)
+    tl.store(tail_ptr + i + one, one * 0 + phys, mask=lane)
+
+
+def place_page(
+    slot_page: torch.Tensor,  # [B, nT, S] int64 (updated in place)
+    slot_phys: torch.Tensor,  # [B, nT, S] int64
+    table_buffer: torch.Tensor,  # [B * H * cap + 1] int32 (updated in place)
+    slot_heads: torch.Tensor,  # [nT] int64
+    num_heads: int,
+    page: torch.Tensor,  # [1] int64
+    tail: torch.Tensor,  # [B, nT] int64 (updated in place)
+    when: torch.Tensor | None = None,  # [1] bool
+) -> None:
+    """Same contract as :func:`reference.place_page`."""
+    B, nT, S = slot_page.shape
+    if B * nT == 0 or S == 0:
+        return
+    _check_contiguous("place_page", slot_page=slot_page, slot_phys=slot_phys, table_buffer=table_buffer, tail=tail)
+    cap = (table_buffer.numel() - 1) // (B * num_heads)
+    heads = slot_heads.to(device=slot_page.device, dtype=torch.long)
+    _place_page_kernel[(B * nT,)](
+        slot_page, slot_phys, table_buffer, heads, page, tail, page if when is None else when,
+        nT, S, num_heads, cap, USE_WHEN=when is not None, BLOCK_S=pow2(S), num_warps=1,
+    )

@@ -174,6 +174,39 @@ def test_append_token_matches_reference_large(dtype):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("K", [64, 128])  # budget 1024 / 2048 at 16-token pages
+def test_slot_kernels_match_reference_at_llama_scale(K):
+    """reseat_slots and place_page (Triton) against the reference over rounds of re-ranks and new pages: 16 rows x 6
+    offloaded heads of 8, K + 1 slots, 1,040 pages; predicated rounds included."""
+    from flexicache_hf.kernels import reference as R
+    from flexicache_hf.kernels.slots import place_page, reseat_slots
+
+    g = torch.Generator(device=DEV).manual_seed(K)
+    B, H, nT, cap = 16, 8, 6, 1040
+    S = K + 1
+    heads = torch.tensor([0, 1, 3, 4, 6, 7], device=DEV)
+    phys = (1 + torch.arange(B * nT * S, device=DEV)).view(B, nT, S)
+    ours = [torch.full((B, nT, S), -1, dtype=torch.long, device=DEV),
+            torch.zeros(B * H * cap + 1, dtype=torch.int32, device=DEV), torch.zeros(B, nT, dtype=torch.long, device=DEV)]
+    ref = [t.clone() for t in ours]
+    for rnd in range(8):
+        wanted = torch.rand(B, nT, cap, generator=g, device=DEV).topk(K, dim=-1).indices.sort(-1).values
+        wanted[:, :, -1] = 900 + rnd  # the newest page, held in a slot already
+        when = None if rnd % 3 == 0 else torch.tensor([rnd % 3 == 1], device=DEV)
+        got = reseat_slots(ours[0], wanted, phys, ours[1], heads, H, 0, when)
+        want = R.reseat_slots(ref[0], wanted, phys, ref[1], heads, H, 0, when)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), rnd
+        for a, b in zip(ours, ref):
+            assert torch.equal(a[:-1] if a.dim() == 1 else a, b[:-1] if b.dim() == 1 else b), rnd
+        ours[0][ours[0] >= 900] = -1  # the newest pages leave: every (row, head) has a free slot for the next
+        ref[0][ref[0] >= 900] = -1
+        page = torch.tensor([901 + rnd], device=DEV)
+        place_page(ours[0], phys, ours[1], heads, H, page, ours[2], when)
+        R.place_page(ref[0], phys, ref[1], heads, H, page, ref[2], when)
+        for a, b in zip(ours, ref):
+            assert torch.equal(a[:-1] if a.dim() == 1 else a, b[:-1] if b.dim() == 1 else b), rnd
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_copy_pages_host_device_exact(dtype):
     from flexicache_hf.kernels.gpu import GPU_OPS
