@@ -101,8 +101,8 @@ def reseat_slots(
     if pow2(S) * pow2(K) > MAX_CELLS:
         return reference.reseat_slots(slot_page, wanted, slot_phys, table_buffer, slot_heads, num_heads, null_page,
                                       when)
-    pages = torch.full((B, nT, K), -1, dtype=torch.long, device=wanted.device)
-    phys = torch.full_like(pages, -1)
+    pages = torch.empty((B, nT, K), dtype=torch.long, device=wanted.device)  # every entry written by the kernel
+    phys = torch.empty_like(pages)
     if B * nT == 0 or K == 0:
         return pages, phys
     _check_contiguous("reseat_slots", slot_page=slot_page, slot_phys=slot_phys, table_buffer=table_buffer)
