@@ -326,8 +326,7 @@ def load_promoted(ops: KernelOps, pool: PagePool, host: HostTier, pages: torch.T
     """Fill the slots ``phys`` with host pages ``pages`` (both ``[B, heads, K]``, -1 = none)."""
     src = host.page_index(pages).reshape(-1)
     dst = phys.reshape(-1)
-    ops.copy_pages(pool.k, dst, host.device_pages("k"), src)
-    ops.copy_pages(pool.v, dst, host.device_pages("v"), src)
+    ops.copy_kv_pages(pool.k, pool.v, dst, host.device_pages("k"), host.device_pages("v"), src)
 
 
 def seat_from_chunk(pool: PagePool, pages: torch.Tensor, phys: torch.Tensor, keys: torch.Tensor,
@@ -358,5 +357,4 @@ def offload_page(ops: KernelOps, pool: PagePool, host: HostTier, page, phys: tor
     dst = host.page_index(pages).reshape(-1)
     if when is not None:
         dst = torch.where(when, dst, -1)  # the copy kernel skips -1 entries
-    ops.copy_pages(host.device_pages("k"), dst, pool.k, phys.reshape(-1))
-    ops.copy_pages(host.device_pages("v"), dst, pool.v, phys.reshape(-1))
+    ops.copy_kv_pages(host.device_pages("k"), host.device_pages("v"), dst, pool.k, pool.v, phys.reshape(-1))

@@ -55,6 +55,21 @@ def test_copy_falls_back_to_torch_on_cpu():
     assert torch.equal(dst, want)
 
 
+def test_copy_kv_pages_falls_back_to_torch_on_cpu():
+    from flexicache_hf.kernels.uva_copy import PageCopier
+
+    g = torch.Generator().manual_seed(0)
+    sk, sv = torch.randn(6, 4, 8, generator=g), torch.randn(6, 4, 8, generator=g)
+    dk, dv = torch.zeros(5, 4, 8), torch.zeros(5, 4, 8)
+    di = torch.tensor([3, -1, 0, 4])
+    si = torch.tensor([5, 2, 1, 0])
+    PageCopier().copy_kv_pages(dk, dv, di, sk, sv, si)
+    for dst, src in ((dk, sk), (dv, sv)):
+        want = torch.zeros(5, 4, 8)
+        want[3], want[0], want[4] = src[5], src[1], src[0]
+        assert torch.equal(dst, want)
+
+
 def test_copy_usable_decides_kernel_or_fallback():
     """Which tensor pairs the UVA kernel takes (fake CUDA tensors: no GPU needed to decide)."""
     from types import SimpleNamespace

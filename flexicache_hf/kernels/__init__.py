@@ -28,6 +28,7 @@ class KernelOps:
     select_pages: Callable[..., torch.Tensor]
     sparse_decode: Callable[..., torch.Tensor]
     copy_pages: Callable[..., None]
+    copy_kv_pages: Callable[..., None]
     copy_rows: Callable[..., None]
     reseat_slots: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     place_page: Callable[..., None]
@@ -46,6 +47,7 @@ REFERENCE_OPS = KernelOps(
     select_pages=traced("select_pages", reference.select_pages),
     sparse_decode=traced("sparse_decode", reference.sparse_decode),
     copy_pages=traced("copy_pages", reference.copy_pages),
+    copy_kv_pages=traced("copy_kv_pages", reference.copy_kv_pages),
     copy_rows=reference.copy_rows,
     reseat_slots=traced("reseat_slots", reference.reseat_slots),
     place_page=traced("place_page", reference.place_page),

@@ -8,7 +8,8 @@ Triton or cuda-python.  Every op keeps its :mod:`.reference` twin's signature an
 625-1875 pages (``docs/benchmarks/decode.md``, ``rerank.json``).  The reference stays the fallback for
 score vectors longer than one program holds (> 32k pages).
 
-``copy_pages`` is the NVRTC kernel of :mod:`.uva_copy`, which itself falls back to torch indexing when
+``copy_pages`` (and ``copy_kv_pages``, both pools of a layer in one launch) is the NVRTC kernel of
+:mod:`.uva_copy`, which itself falls back to torch indexing when
 cuda-python is missing or a tensor is not addressable from the device (pageable host memory).
 ``copy_rows`` (a prompt's offload, a follow-up's prefix read) is one ``cuMemcpy2DAsync`` of :mod:`.row_copy`.
 """
@@ -30,9 +31,10 @@ from .uva_copy import PageCopier
 
 # The kernels themselves (what the custom ops of .ops run on CUDA tensors).  The copier owns the compiled
 # NVRTC kernel (one per device, built on first use), so that cache lives exactly as long as this module.
+_COPIER = PageCopier()
 GPU_KERNELS = SimpleNamespace(append_token=append_token, page_scores=page_scores, select_pages=select_pages,
-                              sparse_decode=sparse_decode, copy_pages=PageCopier().copy_pages,
-                              reseat_slots=reseat_slots, place_page=place_page)
+                              sparse_decode=sparse_decode, copy_pages=_COPIER.copy_pages,
+                              copy_kv_pages=_COPIER.copy_kv_pages, reseat_slots=reseat_slots, place_page=place_page)
 
 # The decode-step kernels go through .ops (direct launches eagerly, custom ops under torch.compile); the
 # prompt-side ones (minmax over a chunk, row copies) run eagerly only.
@@ -44,6 +46,7 @@ GPU_OPS = KernelOps(
     select_pages=traced("select_pages", select_pages),
     sparse_decode=traced("sparse_decode", sparse_decode),
     copy_pages=traced("copy_pages", GPU_KERNELS.copy_pages),
+    copy_kv_pages=traced("copy_kv_pages", GPU_KERNELS.copy_kv_pages),
     copy_rows=RowCopier().copy_rows,
     reseat_slots=traced("reseat_slots", reseat_slots),
     place_page=traced("place_page", place_page),

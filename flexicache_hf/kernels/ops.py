@@ -74,6 +74,17 @@ def _(dst, dst_index, src, src_index):
     return None
 
 
+@custom_op("flexicache::copy_kv_pages", mutates_args=("dst_k", "dst_v"))
+def copy_kv_pages_op(dst_k: Tensor, dst_v: Tensor, dst_index: Tensor, src_k: Tensor, src_v: Tensor,
+                     src_index: Tensor) -> None:
+    _impl("copy_kv_pages", dst_k if dst_k.is_cuda else src_k)(dst_k, dst_v, dst_index, src_k, src_v, src_index)
+
+
+@copy_kv_pages_op.register_fake
+def _(dst_k, dst_v, dst_index, src_k, src_v, src_index):
+    return None
+
+
 @custom_op("flexicache::append_token", mutates_args=("k_pool", "v_pool", "kmin", "kmax"))
 def append_token_op(k_pool: Tensor, v_pool: Tensor, kmin: Tensor, kmax: Tensor, key: Tensor, value: Tensor,
                     rows: Tensor, page: Tensor) -> None:
@@ -132,6 +143,11 @@ def traced(name: str, eager):
         if torch.compiler.is_compiling():
             return copy_pages_op(dst, dst_index, src, src_index)
         return eager(dst, dst_index, src, src_index)
+
+    def copy_kv_pages(dst_k, dst_v, dst_index, src_k, src_v, src_index):
+        if torch.compiler.is_compiling():
+            return copy_kv_pages_op(dst_k, dst_v, dst_index, src_k, src_v, src_index)
+        return eager(dst_k, dst_v, dst_index, src_k, src_v, src_index)
 
     def append_token(k_pool, v_pool, kmin, kmax, key, value, rows, page):
         if torch.compiler.is_compiling():

@@ -342,6 +342,14 @@ def copy_pages(
     dst[d] = src[s].to(dst.device, non_blocking=True)
 
 
+def copy_kv_pages(dst_k: torch.Tensor, dst_v: torch.Tensor, dst_index: torch.Tensor, src_k: torch.Tensor,
+                  src_v: torch.Tensor, src_index: torch.Tensor) -> None:
+    """:func:`copy_pages` of the K pools and of the V pools at the same indices (the CUDA kernel does both in one
+    launch)."""
+    copy_pages(dst_k, dst_index, src_k, src_index)
+    copy_pages(dst_v, dst_index, src_v, src_index)
+
+
 def copy_rows(
     dst: torch.Tensor,  # [B, H, T, D] (e.g. a position range of the host tier)
     src: torch.Tensor,  # [B, H, T, D] (may live on another device)

@@ -47,21 +47,26 @@ __device__ __forceinline__ void copy_one(char* d, const char* s, long long n_vec
     for (long long j = threadIdx.x; j < n_vec; j += blockDim.x) dv[j] = sv[j];
 }
 
+__device__ __forceinline__ void copy_page(char* dp, const char* sp, long long page_bytes, int vec) {
+    switch (vec) {
+        case 16: copy_one<Vec16>(dp, sp, page_bytes / 16); break;
+        case 8: copy_one<unsigned long long>(dp, sp, page_bytes / 8); break;
+        case 4: copy_one<unsigned int>(dp, sp, page_bytes / 4); break;
+        default: copy_one<unsigned char>(dp, sp, page_bytes); break;
+    }
+}
+
+// dst2 / src2 (both null, or both set): a second pool pair copied at the same indices (K and V in one launch).
 extern "C" __global__ void flexicache_copy_pages(char* dst, const long long* __restrict__ dst_index,
                                                  const char* src, const long long* __restrict__ src_index,
-                                                 long long m, long long page_bytes, int vec) {
+                                                 long long m, long long page_bytes, int vec,
+                                                 char* dst2, const char* src2) {
     for (long long i = blockIdx.x; i < m; i += gridDim.x) {
         const long long d = dst_index[i];
         if (d < 0) continue;  // "no page": skipped on the device, no host sync needed
         const long long s = src_index[i];
-        char* dp = dst + d * page_bytes;
-        const char* sp = src + s * page_bytes;
-        switch (vec) {
-            case 16: copy_one<Vec16>(dp, sp, page_bytes / 16); break;
-            case 8: copy_one<unsigned long long>(dp, sp, page_bytes / 8); break;
-            case 4: copy_one<unsigned int>(dp, sp, page_bytes / 4); break;
-            default: copy_one<unsigned char>(dp, sp, page_bytes); break;
-        }
+        copy_page(dst + d * page_bytes, src + s * page_bytes, page_bytes, vec);
+        if (dst2 != nullptr) copy_page(dst2 + d * page_bytes, src2 + s * page_bytes, page_bytes, vec);
     }
 }
 """
@@ -216,25 +221,44 @@ class PageCopier:
         src_index: torch.Tensor,  # [M] int64 source pages; ignored where dst_index is -1
     ) -> None:
         """Same contract as :func:`reference.copy_pages`; asynchronous on the current stream."""
+        self._copy(dst, dst_index, src, src_index, None, None)
+
+    def copy_kv_pages(self, dst_k: torch.Tensor, dst_v: torch.Tensor, dst_index: torch.Tensor, src_k: torch.Tensor,
+                      src_v: torch.Tensor, src_index: torch.Tensor) -> None:
+        """Same contract as :func:`reference.copy_kv_pages`: both pool pairs at the same indices, one launch."""
+        self._copy(dst_k, dst_index, src_k, src_index, dst_v, src_v)
+
+    def _copy(self, dst, dst_index, src, src_index, dst2, src2) -> None:
         m = dst_index.numel()
         if m == 0:
             return
         device = self.usable(dst, src)
+        if device is not None and dst2 is not None:
+            same = (dst2.device, src2.device, dst2.dtype, src2.dtype, dst2.shape, src2.shape) == \
+                (dst.device, src.device, dst.dtype, src.dtype, dst.shape, src.shape)
+            device = device if same and self.usable(dst2, src2) == device else None
         if device is None:
-            return reference.copy_pages(dst, dst_index, src, src_index)
+            reference.copy_pages(dst, dst_index, src, src_index)
+            if dst2 is not None:
+                reference.copy_pages(dst2, dst_index, src2, src_index)
+            return
         index = device.index if device.index is not None else torch.cuda.current_device()
         # The kernel reads the index lists on the device: move them there (no-op when already there).
         di = dst_index.to(device=device, dtype=torch.long).contiguous()
         si = src_index.to(device=device, dtype=torch.long).contiguous()
         page_bytes = dst[0].numel() * dst.element_size() if dst.shape[0] else src[0].numel() * src.element_size()
-        vec = vector_width(page_bytes, dst.data_ptr(), src.data_ptr())
+        pair = () if dst2 is None else (dst2.data_ptr(), src2.data_ptr())
+        vec = vector_width(page_bytes, dst.data_ptr(), src.data_ptr(), *pair)
         touches_host = dst.device.type == "cpu" or src.device.type == "cpu"
         import numpy as np
         from cuda.core import LaunchConfig, launch
 
         kern = self._kernel(index)
         if kern is None:
-            return reference.copy_pages(dst, dst_index, src, src_index)
+            reference.copy_pages(dst, dst_index, src, src_index)
+            if dst2 is not None:
+                reference.copy_pages(dst2, dst_index, src2, src_index)
+            return
         self._make_current(index)
         stream = self._stream(index, torch.cuda.current_stream(device).cuda_stream)
         plan = plan_launches(m, touches_host, host_grid=self.host_grid, device_grid=self.device_grid,
@@ -244,6 +268,7 @@ class PageCopier:
             launch(stream, cfg, kern,
                    np.uint64(dst.data_ptr()), np.uint64(di.data_ptr() + 8 * part.offset),
                    np.uint64(src.data_ptr()), np.uint64(si.data_ptr() + 8 * part.offset),
-                   np.int64(part.count), np.int64(page_bytes), np.int32(vec))
+                   np.int64(part.count), np.int64(page_bytes), np.int32(vec),
+                   np.uint64(0 if dst2 is None else dst2.data_ptr()), np.uint64(0 if src2 is None else src2.data_ptr()))
         # di / si, when freshly moved, were allocated on this same stream: the caching allocator will not
         # hand their memory out again before the kernels queued here have run, so no record_stream needed.

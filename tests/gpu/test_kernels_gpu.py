@@ -251,6 +251,35 @@ def test_copy_pages_host_device_exact(dtype):
     assert torch.equal(big_dst[perm], big_src)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_copy_kv_pages_both_pools_in_one_launch(dtype):
+    """copy_kv_pages: the K and V pools at the same indices, host -> device and device -> host, with skipped
+    entries; exactly two copy_pages calls' result, through the kernel (not the torch fallback)."""
+    from flexicache_hf.kernels.gpu import GPU_OPS
+
+    copier = GPU_OPS.copy_kv_pages.eager.__self__
+    ps, D, n_host, n_dev, m = 16, 128, 900, 300, 200
+    g = torch.Generator().manual_seed(1)
+    hk, hv = (torch.randn(n_host, ps, D, generator=g).to(dtype).pin_memory() for _ in range(2))
+    dk, dv = (torch.randn(n_dev, ps, D, device=DEV).to(dtype) for _ in range(2))
+    dst_i = torch.randperm(n_dev, generator=g)[:m]
+    src_i = torch.randperm(n_host, generator=g)[:m]
+    dst_i[::5] = -1
+    want_k, want_v = dk.clone(), dv.clone()
+    keep = dst_i >= 0
+    want_k[dst_i[keep].to(DEV)] = hk[src_i[keep]].to(DEV)
+    want_v[dst_i[keep].to(DEV)] = hv[src_i[keep]].to(DEV)
+    GPU_OPS.copy_kv_pages(dk, dv, dst_i.to(DEV), hk, hv, src_i.to(DEV))
+    torch.cuda.synchronize()
+    assert copier.unavailable is None, copier.unavailable
+    assert torch.equal(dk, want_k) and torch.equal(dv, want_v)
+    back_k, back_v = (torch.zeros(n_host, ps, D, dtype=dtype).pin_memory() for _ in range(2))
+    GPU_OPS.copy_kv_pages(back_k, back_v, src_i.to(DEV), dk, dv, dst_i.clamp_min(0).to(DEV))
+    torch.cuda.synchronize()
+    assert torch.equal(back_k[src_i], dk[dst_i.clamp_min(0).to(DEV)].cpu())
+    assert torch.equal(back_v[src_i], dv[dst_i.clamp_min(0).to(DEV)].cpu())
+
+
 def test_copy_pages_uses_the_kernel():
     """Pinned host <-> device copies must take the cuda-python path, not the torch fallback."""
     from flexicache_hf.kernels.gpu import GPU_OPS
