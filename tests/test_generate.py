@@ -263,3 +263,19 @@ def test_chunked_prefill_equals_dense(max_cache_len):
     small = FlexiCache(profile, page_size=4, token_budget=16, rerank_interval=4, max_cache_len=max_cache_len)
     out = greedy(fc, ids, small, n=12, prefill_chunk_size=16)
     assert small.get_seq_length() == out.shape[1] - 1 and small.stats.prompt_tokens == 45
+
+
+@pytest.mark.parametrize("max_cache_len", [None, 80])
+def test_chunks_through_forward_then_generate_equals_dense(max_cache_len):
+    """The README's route around a compiled chunked prefill: the prompt's chunks through the model's forward
+    (``bench.generate.prefill_in_chunks``), then ``generate`` on the filled cache; dense tokens at a full budget."""
+    from flexicache_hf.bench.generate import prefill_in_chunks
+
+    cfg = tiny_config("llama", heads=4, kv_heads=2)
+    fc, dense = twin_models(cfg)
+    ids = torch.randint(2, 96, (2, 45))
+    want = greedy(dense, ids, DynamicCache(), n=12)
+    cache = FlexiCache(HeadProfile.random(cfg, 0.25, seed=3), **FULL, max_cache_len=max_cache_len)
+    prefill_in_chunks(fc, ids, cache, 16)
+    assert cache.get_seq_length() == ids.shape[1] - 1
+    assert torch.equal(greedy(fc, ids, cache, n=12), want)

@@ -406,6 +406,13 @@ def shrink_qwen_cpu() -> EvalConfig:
                    fidelity_extra=extra)
 
 
+def shrink_qwen_cpu_512() -> EvalConfig:
+    """:func:`shrink_qwen_cpu` at budget 512 (1/8 of the 4k prompts): does the shrink's gain hold at a larger budget?"""
+    extra = tuple(Policy(f, 512, group_score="mass", bound_shrink=lam) for f in ("quest", "flexicache")
+                  for lam in (1.0, 0.5))
+    return replace(shrink_qwen_cpu(), name="shrink-qwen-cpu-512", fidelity_extra=extra)
+
+
 def named_configs() -> dict:
     return {"tiny": tiny, "full": full, "gpu-short": gpu_short, "fidelity-3k": fidelity_3k,
             "profiles-3k": profiles_3k, "sinks-3k": sinks_3k, "recency-8k": recency_8k,
@@ -415,6 +422,7 @@ def named_configs() -> dict:
             "select-16k": select_16k, "select-16k-pages8": select_16k_pages8, "select-16k-rest": select_16k_rest,
             "select-16k-seat": select_16k_seat, "select-16k-shrink": select_16k_shrink,
             "select-cpu": select_cpu, "shrink-cpu": shrink_cpu, "shrink-qwen-cpu": shrink_qwen_cpu,
+            "shrink-qwen-cpu-512": shrink_qwen_cpu_512,
             "profiles-qwen-cpu": profiles_qwen_cpu, "mass-tasks-cpu": mass_tasks_cpu,
             "profiles-qwen-cpu-budgets": profiles_qwen_cpu_budgets, "later-question-cpu": later_question_cpu,
             "question-in-prompt-cpu": question_in_prompt_cpu,
