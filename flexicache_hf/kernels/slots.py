@@ -4,7 +4,8 @@ One program per (row, slot head).  It holds the head's slot row (``S`` logical p
 pages) in registers and compares them all against all (``[S, K]``, a few thousand booleans), which gives the kept
 slots and the promoted pages; a prefix sum ranks the free slots and the promoted pages, and the r-th promoted page
 takes the r-th free slot.  Evicted pages' table entries go to the null page and promoted ones' to their new slot,
-by masked stores into the flat page table itself.  The reference spends ~10 operations on this (comparisons,
+by masked stores into the flat page table itself.  A program whose predicate is off (a layer not re-ranking in
+a compiled step) only writes its "nothing to load" outputs.  The reference spends ~10 operations on this (comparisons,
 a sort, a prefix sum, gathers, scatters and two table writes); compiled into a decode step they were ~10 kernels
 per layer at every step, since the step runs them predicated whether or not the layer re-ranks.
 """
@@ -52,6 +53,25 @@ def _reseat_kernel(
     BLOCK_K: tl.constexpr,
 ):
     i, b, t = _slot_row(nT)
+    k = tl.arange(0, BLOCK_K)
+    on = 1
+    if USE_WHEN:
+        on = tl.load(when_ptr).to(tl.int32)
+    if on == 0:
+        # Not this layer's re-rank (a compiled step launches every layer's): nothing moves, nothing to load.
+        none = tl.full([BLOCK_K], -1, tl.int64)
+        tl.store(pages_ptr + i * K + k, none, mask=k < K)
+        tl.store(phys_ptr + i * K + k, none, mask=k < K)
+    else:
+        _reseat_row(slot_page_ptr, wanted_ptr, slot_phys_ptr, table_ptr, heads_ptr, pages_ptr, phys_ptr,
+                    i, b, t, S, K, H, cap, null_page, s_wb, s_wt, s_wk, BLOCK_S, BLOCK_K)
+
+
+@triton.jit
+def _reseat_row(slot_page_ptr, wanted_ptr, slot_phys_ptr, table_ptr, heads_ptr, pages_ptr, phys_ptr,
+                i, b, t, S, K, H, cap, null_page, s_wb, s_wt, s_wk,
+                BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The reseat of one (row ``b``, slot head ``t``), flat index ``i``."""
     s = tl.arange(0, BLOCK_S)
     k = tl.arange(0, BLOCK_K)
     s_ok = s < S
@@ -61,10 +81,6 @@ def _reseat_kernel(
     match = ((sp[:, None] == w[None, :]) & (sp[:, None] >= 0)).to(tl.int32)  # [S, K]; -1 never matches
     keep = (tl.sum(match, axis=1) > 0) & (sp >= 0)
     promote = (w >= 0) & (tl.sum(match, axis=0) == 0)
-    if USE_WHEN:
-        on = tl.load(when_ptr).to(tl.int32)  # broadcast as vectors (a scalar bool mask trips the interpreter)
-        keep = tl.where((s * 0 + on) != 0, keep, sp >= 0)
-        promote = promote & ((k * 0 + on) != 0)
     row = (b * H + tl.load(heads_ptr + t)) * cap  # this head's page-table row
     evicted = s_ok & (sp >= 0) & ~keep
     tl.store(table_ptr + row + tl.where(evicted, sp, 0), tl.zeros_like(sp) + null_page, mask=evicted)
