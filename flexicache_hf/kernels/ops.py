@@ -105,7 +105,7 @@ def reseat_slots_op(slot_page: Tensor, wanted: Tensor, slot_phys: Tensor, table_
 
 @reseat_slots_op.register_fake
 def _(slot_page, wanted, slot_phys, table_buffer, slot_heads, num_heads, null_page, when):
-    return torch.empty_like(wanted), torch.empty_like(wanted)
+    return wanted.new_empty(wanted.shape), wanted.new_empty(wanted.shape)  # contiguous, as the kernels return them
 
 
 @custom_op("flexicache::place_page", mutates_args=("slot_page", "table_buffer", "tail"))
