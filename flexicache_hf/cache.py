@@ -445,8 +445,8 @@ class FlexiCacheLayer(CacheLayerMixin):
         (the paper keeps a stable head's top-K pages on the device once the prompt is offloaded).  Offloaded heads
         get those pages from the chunk still on the device (``offloaded``: the chunk's keys and values of those
         heads, ``[B, len(slot_heads), T, D]``, which the host copy holds anyway; ``None`` without offload), so no
-        decode step loads them from the host; the schedule re-ranks them next R steps later (or on their staggered phase), not at step 0.  On the
-        copy stream, behind the chunk's offload."""
+        decode step loads them from the host; the schedule re-ranks them next R steps later (or on their staggered
+        phase), not at step 0.  On the copy stream, behind the chunk's offload."""
         ps = self.config.page_size
         n = num_pages(self.seq_len, ps)
         with copy_context(self.copies):

@@ -302,10 +302,6 @@ def reseat_slots(
     loads from the host tier).  Fixed shapes, no host synchronisation."""
     B, nT, S = slot_page.shape
     sp = slot_page
-
-    def set_table(pages: torch.Tensor, phys: torch.Tensor) -> None:
-        set_table_entries(table_buffer, slot_heads, num_heads, pages, phys)
-
     keep = (sp[..., :, None] == wanted[..., None, :]).any(-1) & (sp >= 0)  # [B, nT, S]
     present = (wanted[..., :, None] == sp[..., None, :]).any(-1)  # [B, nT, K]
     promote = (wanted >= 0) & ~present
@@ -313,7 +309,7 @@ def reseat_slots(
         keep = torch.where(when, keep, sp >= 0)
         promote = promote & when
     evicted = torch.where(keep, torch.full_like(sp, -1), sp)
-    set_table(evicted, torch.full_like(evicted, null_page))
+    set_table_entries(table_buffer, slot_heads, num_heads, evicted, torch.full_like(evicted, null_page))
     sp = torch.where(keep, sp, torch.full_like(sp, -1))
     # The r-th promoted page of a row takes the r-th free slot of that row.
     free_order = torch.sort(keep.int(), dim=-1, stable=True).indices  # free slots first
@@ -325,7 +321,7 @@ def reseat_slots(
     sp.scatter_(-1, torch.where(promote, slot, torch.full_like(slot, S)), pages)
     slot_page.copy_(sp[..., :S])
     phys = torch.where(promote, slot_phys.gather(-1, slot), torch.full_like(slot, -1))
-    set_table(pages, phys)
+    set_table_entries(table_buffer, slot_heads, num_heads, pages, phys)
     return pages, phys
 
 

@@ -187,7 +187,8 @@ def test_slot_kernels_match_reference_at_llama_scale(K):
     heads = torch.tensor([0, 1, 3, 4, 6, 7], device=DEV)
     phys = (1 + torch.arange(B * nT * S, device=DEV)).view(B, nT, S)
     ours = [torch.full((B, nT, S), -1, dtype=torch.long, device=DEV),
-            torch.zeros(B * H * cap + 1, dtype=torch.int32, device=DEV), torch.zeros(B, nT, dtype=torch.long, device=DEV)]
+            torch.zeros(B * H * cap + 1, dtype=torch.int32, device=DEV),
+            torch.zeros(B, nT, dtype=torch.long, device=DEV)]
     ref = [t.clone() for t in ours]
     for rnd in range(8):
         wanted = torch.rand(B, nT, cap, generator=g, device=DEV).topk(K, dim=-1).indices.sort(-1).values
