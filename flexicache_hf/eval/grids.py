@@ -337,12 +337,17 @@ def select_cpu() -> EvalConfig:
     return replace(oracle_cpu(), name="select-cpu", fidelity_budgets=(), fidelity_families=(), fidelity_extra=extra)
 
 
+def _shrink_pair(budget: int) -> tuple[Policy, ...]:
+    """Quest-like and FlexiCache at ``budget`` with the group mass, each with and without ``bound_shrink=0.5``."""
+    return tuple(Policy(f, budget, group_score="mass", bound_shrink=lam) for f in ("quest", "flexicache")
+                 for lam in (1.0, 0.5))
+
+
 def shrink_cpu() -> EvalConfig:
     """``bound_shrink=0.5`` in generation on the embedded SmolLM2, CPU-sized like ``select-cpu`` (2 documents of
     2,048 prompt tokens + 64 dense tokens, teacher-forced, budget 256): Quest-like and FlexiCache (measured
     profile), with the group mass, with and without the shrink."""
-    extra = tuple(Policy(f, 256, group_score="mass", bound_shrink=lam) for f in ("quest", "flexicache")
-                  for lam in (1.0, 0.5))
+    extra = _shrink_pair(256)
     return replace(select_cpu(), name="shrink-cpu", fidelity_extra=extra)
 
 
@@ -400,16 +405,14 @@ def shrink_qwen_cpu() -> EvalConfig:
     gained most, CPU-sized: 3 documents of 4,096 prompt tokens + 48 dense tokens, teacher-forced, budget 256
     (1/16), 8-token pages, the group mass (the 16k grids' setting): Quest-like and FlexiCache (measured profile),
     with and without the shrink (~25 min on 2 cores)."""
-    extra = tuple(Policy(f, 256, group_score="mass", bound_shrink=lam) for f in ("quest", "flexicache")
-                  for lam in (1.0, 0.5))
+    extra = _shrink_pair(256)
     return replace(profiles_qwen_cpu(), name="shrink-qwen-cpu", fidelity_docs=3, fidelity_length=48, page_size=8,
                    fidelity_extra=extra)
 
 
 def shrink_qwen_cpu_512() -> EvalConfig:
     """:func:`shrink_qwen_cpu` at budget 512 (1/8 of the 4k prompts): does the shrink's gain hold at a larger budget?"""
-    extra = tuple(Policy(f, 512, group_score="mass", bound_shrink=lam) for f in ("quest", "flexicache")
-                  for lam in (1.0, 0.5))
+    extra = _shrink_pair(512)
     return replace(shrink_qwen_cpu(), name="shrink-qwen-cpu-512", fidelity_extra=extra)
 
 

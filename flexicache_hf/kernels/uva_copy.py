@@ -237,12 +237,15 @@ class PageCopier:
             same = (dst2.device, src2.device, dst2.dtype, src2.dtype, dst2.shape, src2.shape) == \
                 (dst.device, src.device, dst.dtype, src.dtype, dst.shape, src.shape)
             device = device if same and self.usable(dst2, src2) == device else None
-        if device is None:
-            reference.copy_pages(dst, dst_index, src, src_index)
-            if dst2 is not None:
-                reference.copy_pages(dst2, dst_index, src2, src_index)
+        kern = None
+        if device is not None:
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            kern = self._kernel(index)
+        if kern is None:  # no kernel for these tensors (or none could be built): torch indexing, pool by pool
+            for d, sr in ((dst, src), (dst2, src2)):
+                if d is not None:
+                    reference.copy_pages(d, dst_index, sr, src_index)
             return
-        index = device.index if device.index is not None else torch.cuda.current_device()
         # The kernel reads the index lists on the device: move them there (no-op when already there).
         di = dst_index.to(device=device, dtype=torch.long).contiguous()
         si = src_index.to(device=device, dtype=torch.long).contiguous()
@@ -253,12 +256,6 @@ class PageCopier:
         import numpy as np
         from cuda.core import LaunchConfig, launch
 
-        kern = self._kernel(index)
-        if kern is None:
-            reference.copy_pages(dst, dst_index, src, src_index)
-            if dst2 is not None:
-                reference.copy_pages(dst2, dst_index, src2, src_index)
-            return
         self._make_current(index)
         stream = self._stream(index, torch.cuda.current_stream(device).cuda_stream)
         plan = plan_launches(m, touches_host, host_grid=self.host_grid, device_grid=self.device_grid,
