@@ -110,5 +110,10 @@ class FlexiCacheConfig:
 
     @property
     def resident_slots(self) -> int:
-        """Device page slots a stable, offloaded head needs: its top-K plus pages created before the next re-rank."""
-        return self.budget_pages + self.max_recent_pages
+        """Device page slots a stable, offloaded head needs: its top-K plus the pages created before its next re-rank.
+
+        The longest such window follows the prompt's seat: the decode tokens of steps ``0 .. R`` (``R + 1`` of them,
+        the re-rank of step ``R`` comes after that step's token is placed), which start up to ``R // page_size + 1``
+        pages (the prompt ending on a page boundary).  Between two decode re-ranks ``R`` tokens start at most
+        :attr:`max_recent_pages`, never more."""
+        return self.budget_pages + self.rerank_interval // self.page_size + 1

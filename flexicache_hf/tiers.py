@@ -291,7 +291,7 @@ class SlotTable:
     def place_new_page(self, ops: KernelOps, page, tail: torch.Tensor, when: torch.Tensor | None = None) -> None:
         """Give logical ``page`` (an int, or a ``[1]`` device tensor) a free slot in every row/head and write
         its physical page into ``tail [B, heads]``; only where ``when`` (a ``[1]`` bool tensor) holds, if given.
-        A free slot always exists: slots = top-K + pages per interval.  One kernel (``ops.place_page``)."""
+        A free slot always exists (``FlexiCacheConfig.resident_slots``).  One kernel (``ops.place_page``)."""
         if not isinstance(page, torch.Tensor):
             page = torch.full((1,), page, dtype=torch.long, device=self.slot_page.device)
         ops.place_page(self.slot_page, self.slot_phys, self.pool.table_buffer, self.pool.slot_heads,

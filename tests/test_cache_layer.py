@@ -142,6 +142,21 @@ def test_rerank_schedule_is_observable():
     assert cache.layers[0].reranker.reranks.tolist() == [4, 17, 17, 4]
 
 
+@pytest.mark.parametrize("ps,R,prompt,stagger", [(4, 4, 40, False), (4, 8, 40, False), (2, 8, 40, True),
+                                                  (4, 8, 41, False), (8, 4, 40, False)])
+def test_every_new_page_has_a_slot_until_the_next_rerank(ps, R, prompt, stagger):
+    """The prompt's seat, then the decode tokens of steps 0 .. R (R + 1 of them: the prompt ending on a page
+    boundary starts R // ps + 1 pages before the first re-rank) and every later interval: each new page of a
+    stable head gets a device slot, so every output is exact softmax attention over the attended pages (``drive``
+    checks it against the full history)."""
+    cfg = tiny_config("llama", heads=4, kv_heads=2, layers=1, head_dim=8)
+    cache, history = drive(HeadProfile.from_unstable(cfg, [(0, 1)]), B=2, H=2, G=2, D=8, prompt=prompt,
+                           steps=3 * R + 2, ps=ps, budget=3 * ps, R=R, offload=True, valid_lo=torch.tensor([0, 3]),
+                           stagger_reranks=stagger)
+    assert cache.layers[0].pool.layout.slots == 3 + R // ps + 1
+    assert any(heads and 0 in heads[0] for _, heads, _ in history)  # the stable head re-ranked in between
+
+
 def test_all_stable_layer_skips_scoring_between_reranks():
     cfg = tiny_config("llama", heads=2, kv_heads=2, layers=1, head_dim=8)
     cache, history = drive(HeadProfile.all_stable(cfg), B=1, H=2, G=1, D=8, prompt=30, steps=9, ps=4,
@@ -162,7 +177,7 @@ def test_offloaded_heads_keep_constant_device_slots():
     cache, _ = drive(profile, B=1, H=2, G=1, D=8, prompt=200, steps=20, ps=4, budget=16, R=4, offload=True,
                      valid_lo=torch.tensor([0]))
     layer = cache.layers[0]
-    assert layer.pool.layout.slots == cache.config.resident_slots  # 4 + 1, not the 55 pages of the context
+    assert layer.pool.layout.slots == cache.config.resident_slots  # 4 + 2, not the 55 pages of the context
     resident = (layer.pool.page_table[:, :, :55] != NULL_PAGE).sum(-1)
     assert bool((resident <= cache.config.resident_slots).all())
     assert cache.stats.promoted_pages() > 0

@@ -406,7 +406,7 @@ else:
     @pytest.mark.parametrize("S", [1, 5, 17])
     def test_place_page_matches_reference(S):
         """A new page into each (row, slot head)'s first free slot, the table and the tail: the reference's result,
-        with and without the predicate (off: nothing changes)."""
+        with and without the predicate (off: nothing changes), and in a row without a free slot (nothing changes)."""
         g = torch.Generator().manual_seed(S)
         B, H, nT, cap = 3, 4, 2, 50
         heads = torch.tensor([3, 1])
@@ -414,7 +414,9 @@ else:
         for rnd in range(10):
             sp = torch.randint(0, cap, (B, nT, S), generator=g)
             free = torch.rand(B, nT, S, generator=g) < 0.4
-            free[..., int(torch.randint(0, S, (1,), generator=g))] = True  # a free slot always exists
+            free[..., int(torch.randint(0, S, (1,), generator=g))] = True  # a free slot in every row ...
+            if rnd % 4 == 3:
+                free[1, 0] = False  # ... but one: it changes nothing there (the layer never lets that happen)
             sp[free] = -1
             tb = torch.randint(0, 9, (B * H * cap + 1,), generator=g, dtype=torch.int32)
             tail = torch.randint(0, 9, (B, nT), generator=g)
@@ -425,3 +427,38 @@ else:
             place_page(sp, phys, tb, heads, H, page, tail, when)
             assert torch.equal(sp, ref[0]) and torch.equal(tail, ref[2]), rnd
             assert torch.equal(tb[:-1], ref[1][:-1]), rnd  # the spare entry is scratch
+
+    # ---- a model's decode through the Triton kernels --------------------------------------------------------
+    @pytest.mark.parametrize("ps,R", [(8, 16), (4, 4)])
+    def test_qwen_geometry_decode_through_triton_kernels_matches_reference(ps, R, monkeypatch):
+        """A tiny Qwen2 (7 query heads per KV head, 2 KV heads, one of them stable and offloaded), a prompt that
+        ends on a page boundary, 2R + 3 greedy tokens: FlexiCache with the Triton kernels (interpreted; the tier
+        copies, which need a GPU, stay the reference's) decodes the reference's tokens with the same logits.  At
+        8-token pages and R = 16 the first interval starts three pages, which each need a device slot."""
+        import dataclasses
+
+        import flexicache_hf
+        import flexicache_hf.cache as cache_module
+        from flexicache_hf.kernels import REFERENCE_OPS
+        from transformers import AutoModelForCausalLM, Qwen2Config
+
+        cfg = Qwen2Config(vocab_size=64, hidden_size=14 * 16, intermediate_size=32, num_hidden_layers=2,
+                          num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=512)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="flexicache").eval()
+        triton_ops = dataclasses.replace(
+            GPU_OPS, name="reference", minmax_update=minmax_update, copy_pages=REFERENCE_OPS.copy_pages,
+            copy_kv_pages=REFERENCE_OPS.copy_kv_pages, copy_rows=REFERENCE_OPS.copy_rows)
+        ids = torch.randint(0, 64, (1, 12 * ps))
+        profile = flexicache_hf.HeadProfile.from_unstable(cfg, [(0, 0), (1, 1)])
+        outs = {}
+        for name, ops in (("reference", REFERENCE_OPS), ("triton", triton_ops)):
+            monkeypatch.setattr(cache_module, "ops_for", lambda device, prefer=None, ops=ops: ops)
+            cache = flexicache_hf.FlexiCache(profile, page_size=ps, token_budget=4 * ps, rerank_interval=R)
+            with torch.no_grad():
+                outs[name] = model.generate(ids, max_new_tokens=2 * R + 3, min_new_tokens=2 * R + 3, do_sample=False,
+                                            past_key_values=cache, output_logits=True, return_dict_in_generate=True)
+            assert cache.layers[0].pool.layout.slots == 4 + R // ps + 1
+        assert torch.equal(outs["reference"].sequences, outs["triton"].sequences)
+        for a, b in zip(outs["reference"].logits, outs["triton"].logits):
+            assert rel_err(b, a) < 1e-4

@@ -863,8 +863,10 @@ def main(argv=None) -> list[dict]:
     results, warmed = [], set()
     args.out.mkdir(parents=True, exist_ok=True)
     tag = args.tag or (args.model if args.largest_batch is None else f"{args.model}-largest{args.largest_batch}")
+    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "transformers": __import__("transformers").__version__, "rows": rows,
+            "weights_bytes": weights,  # the model's own GPU bytes: every row's peak includes them
             "args": {k: str(v) for k, v in vars(args).items()}}
     json_path = args.out / f"generate-{tag}.json"
 
@@ -873,6 +875,8 @@ def main(argv=None) -> list[dict]:
         json_path.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
 
     def record(case, name, res):  # saved after every row: a run cut short keeps what it measured
+        if res.get("peak_gpu_bytes") is not None:  # what the cache and activations took beyond the weights
+            res = {**res, "peak_above_weights_bytes": res["peak_gpu_bytes"] - weights}
         results.append({"case": case, "row": name, **res})
         print(json.dumps(results[-1]), flush=True)
         save()

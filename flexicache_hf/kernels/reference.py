@@ -270,16 +270,19 @@ def place_page(
     when: torch.Tensor | None = None,  # [1] bool: change nothing unless it holds (None: always)
 ) -> None:
     """Give logical ``page`` the first free slot of every (row, slot head): the slot row, the table entry and
-    ``tail`` (its physical page).  A free slot must exist (slots = top-K + the pages of one interval)."""
+    ``tail`` (its physical page).  A (row, head) without a free slot changes nothing (the layer sizes its slots so
+    that one is always free: ``FlexiCacheConfig.resident_slots``)."""
     free = slot_page < 0
     first = free.int().argmax(-1, keepdim=True)  # [B, nT, 1]
+    on = free.any(-1, keepdim=True)  # [B, nT, 1]
+    if when is not None:
+        on = on & when
     phys = slot_phys.gather(-1, first)
     pages = torch.zeros_like(first) + page  # [B, nT, 1]
-    slot_value, table_pages, new_tail = pages, pages, phys[..., 0]
-    if when is not None:  # elsewhere the slot keeps its page, the table entry goes to its spare, the tail stays
-        slot_value = torch.where(when, pages, slot_page.gather(-1, first))
-        table_pages = torch.where(when, pages, -1)
-        new_tail = torch.where(when, new_tail, tail)
+    # Where off, the slot keeps its page, the table entry goes to its spare and the tail stays.
+    slot_value = torch.where(on, pages, slot_page.gather(-1, first))
+    table_pages = torch.where(on, pages, -1)
+    new_tail = torch.where(on, phys, tail[..., None])[..., 0]
     slot_page.scatter_(-1, first, slot_value)
     set_table_entries(table_buffer, slot_heads, num_heads, table_pages, phys)
     tail.copy_(new_tail)

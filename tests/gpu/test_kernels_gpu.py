@@ -307,13 +307,16 @@ def _tiny_llama(dtype):
     return cfg, model
 
 
-@pytest.mark.parametrize("dtype,steps,tol", [(torch.float32, 12, 1e-4), (torch.bfloat16, 1, 3e-2)])
-def test_flexicache_triton_matches_reference_end_to_end(dtype, steps, tol):
-    """FlexiCache on CUDA with the default (Triton) kernels decodes like kernels='reference'."""
+@pytest.mark.parametrize("dtype,steps,tol,ps,R,L", [(torch.float32, 12, 1e-4, 16, 4, 203),
+                                                   (torch.bfloat16, 1, 3e-2, 16, 4, 203),
+                                                   (torch.float32, 40, 1e-4, 8, 16, 256)])
+def test_flexicache_triton_matches_reference_end_to_end(dtype, steps, tol, ps, R, L):
+    """FlexiCache on CUDA with the default (Triton) kernels decodes like kernels='reference'.  The last case: a
+    prompt ending on a page boundary and 8-token pages at R = 16, whose first interval starts three new pages."""
     import flexicache_hf
 
     cfg, model = _tiny_llama(dtype)
-    B, L = 2, 203
+    B = 2
     ids = torch.randint(2, 96, (B, L), device=DEV)
     mask = torch.ones(B, L, dtype=torch.long, device=DEV)
     mask[1, :21] = 0  # left padding
@@ -321,7 +324,7 @@ def test_flexicache_triton_matches_reference_end_to_end(dtype, steps, tol):
     outs = {}
     for kernels in ("reference", None):
         profile = flexicache_hf.HeadProfile.random(cfg, 0.25)
-        cache = flexicache_hf.FlexiCache(profile, kernels=kernels, page_size=16, token_budget=64, rerank_interval=4)
+        cache = flexicache_hf.FlexiCache(profile, kernels=kernels, page_size=ps, token_budget=64, rerank_interval=R)
         with torch.no_grad():
             out = model.generate(ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
                                  do_sample=False, past_key_values=cache, output_logits=True,
