@@ -178,14 +178,18 @@ else:
             assert torch.equal(ours[0].view(-1, D)[rows.reshape(-1)], key.reshape(-1, D))
             assert torch.equal(ours[2][:, :, page], torch.minimum(k_min[:, :, page], key)), page
 
-    def test_minmax_long_chunk_non_contiguous_keys():
+    @pytest.mark.parametrize("D,ps,T,start", [(128, 16, 301, 0), (64, 8, 1000, 5)])  # tiles of 4 / 16 pages
+    def test_minmax_long_chunk_non_contiguous_keys(D, ps, T, start):
+        """A long chunk (several tiles of pages per (row, head), a chunk starting inside a page) from HF's
+        transposed key view."""
         torch.manual_seed(2)
-        B, H, D, ps, T = 2, 3, 128, 16, 301
+        B, H = 2, 3
         keys = torch.randn(B, T, H, D, dtype=torch.float16).transpose(1, 2)  # HF's [B, H, T, D] view
         valid_lo = torch.tensor([0, 37])
-        ours, ref = make_minmax(B, H, T // ps + 2, D, torch.float16), make_minmax(B, H, T // ps + 2, D, torch.float16)
-        minmax_update(*ours, keys, 0, valid_lo, ps)
-        R.minmax_update(*ref, keys, 0, valid_lo, ps)
+        cap = (start + T) // ps + 2
+        ours, ref = make_minmax(B, H, cap, D, torch.float16), make_minmax(B, H, cap, D, torch.float16)
+        minmax_update(*ours, keys, start, valid_lo, ps)
+        R.minmax_update(*ref, keys, start, valid_lo, ps)
         assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
 
     # ---- page_scores -----------------------------------------------------------------------------------

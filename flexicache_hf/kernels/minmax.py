@@ -1,7 +1,7 @@
 """Triton twin of :func:`flexicache_hf.kernels.reference.minmax_update`: fold new keys into the MinMax cache.
 
 One program owns ``PAGES`` consecutive logical pages of one (row, KV head): it reads the new keys of those
-pages straight from ``keys`` in their storage dtype (no fp32 copy of a prompt chunk is ever materialised),
+pages as one tile straight from ``keys`` in their storage dtype (no fp32 copy of a prompt chunk is ever materialised),
 reduces min / max over the page's valid tokens in fp32 registers, and folds the result into
 ``kmin`` / ``kmax``.  The same kernel serves a decode step (T = 1: one page per (row, head)) and a 32k-token
 prompt chunk (2048 pages per (row, head)).
@@ -31,7 +31,7 @@ def _minmax_update_kernel(
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
-    PAGES: tl.constexpr,  # pages per program (amortises the per-program setup on long chunks)
+    PAGES: tl.constexpr,  # pages per program, loaded as one [PAGES, PAGE_SIZE, BLOCK_D] tile
 ):
     pid_p = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)  # int64: B*H*T*D exceeds 2**31 at B=64 x 32k prompts
@@ -42,25 +42,27 @@ def _minmax_update_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
     end = start + T
-    first_page = start // PAGE_SIZE
-    for i in tl.static_range(PAGES):
-        page = first_page + pid_p * PAGES + i  # logical page (may lie past the chunk: then nothing is valid)
-        pos = page * PAGE_SIZE + t  # [PAGE_SIZE] token positions of this page
-        ok = (pos >= start) & (pos < end) & (pos >= lo_valid)
-        k_off = b * s_kb + h * s_kh + (pos - start).to(tl.int64)[:, None] * s_kt + d[None, :] * s_kd
-        k = tl.load(keys_ptr + k_off, mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        # min/max of the page's valid tokens; exact in fp32 (every storage dtype converts exactly).
-        lo = tl.min(tl.where(ok[:, None], k, float("inf")), axis=0)  # [BLOCK_D]
-        hi = tl.max(tl.where(ok[:, None], k, float("-inf")), axis=0)
-        n_valid = tl.sum(ok.to(tl.int32), axis=0)  # a page with no valid token keeps its sentinels
-        m_off = b * s_mb + h * s_mh + page.to(tl.int64) * s_mp + d * s_md
-        w = d_ok & ((d * 0 + n_valid) > 0)  # [BLOCK_D] mask built as a vector (scalar masks break the interpreter)
-        cur_lo = tl.load(kmin_ptr + m_off, mask=w, other=0.0)
-        cur_hi = tl.load(kmax_ptr + m_off, mask=w, other=0.0)
-        new_lo = tl.minimum(cur_lo.to(tl.float32), lo)
-        new_hi = tl.maximum(cur_hi.to(tl.float32), hi)
-        tl.store(kmin_ptr + m_off, new_lo.to(cur_lo.dtype), mask=w)
-        tl.store(kmax_ptr + m_off, new_hi.to(cur_hi.dtype), mask=w)
+    # The program's logical pages (some may lie past the chunk: nothing of them is valid).
+    page = start // PAGE_SIZE + pid_p * PAGES + tl.arange(0, PAGES)  # [PAGES]
+    pos = page[:, None] * PAGE_SIZE + t[None, :]  # [PAGES, PAGE_SIZE] token positions
+    ok = (pos >= start) & (pos < end) & (pos >= lo_valid)
+    row = (pos - start).to(tl.int64) * s_kt  # [PAGES, PAGE_SIZE]
+    k_off = b * s_kb + h * s_kh + row[:, :, None] + (d * s_kd)[None, None, :]
+    # One load of the whole tile: every page's keys are in flight at once.
+    k = tl.load(keys_ptr + k_off, mask=ok[:, :, None] & d_ok[None, None, :], other=0.0).to(tl.float32)
+    # min/max of each page's valid tokens; exact in fp32 (every storage dtype converts exactly).
+    lo = tl.min(tl.where(ok[:, :, None], k, float("inf")), axis=1)  # [PAGES, BLOCK_D]
+    hi = tl.max(tl.where(ok[:, :, None], k, float("-inf")), axis=1)
+    n_valid = tl.sum(ok.to(tl.int32), axis=1)  # [PAGES]; a page with no valid token keeps its sentinels
+    m_off = b * s_mb + h * s_mh + page.to(tl.int64)[:, None] * s_mp + (d * s_md)[None, :]
+    w = d_ok[None, :] & (n_valid[:, None] > 0)  # [PAGES, BLOCK_D]
+    cur_lo = tl.load(kmin_ptr + m_off, mask=w, other=0.0)
+    cur_hi = tl.load(kmax_ptr + m_off, mask=w, other=0.0)
+    tl.store(kmin_ptr + m_off, tl.minimum(cur_lo.to(tl.float32), lo).to(cur_lo.dtype), mask=w)
+    tl.store(kmax_ptr + m_off, tl.maximum(cur_hi.to(tl.float32), hi).to(cur_hi.dtype), mask=w)
+
+
+TILE_ELEMENTS = 8192  # keys per program on a long chunk: 16 KiB of fp16, 32 fp32 registers per thread at 8 warps
 
 
 def minmax_update(
@@ -79,12 +81,12 @@ def minmax_update(
         return reference.minmax_update(kmin, kmax, keys, start, valid_lo, page_size)
     first_page, last_page = start // page_size, (start + T - 1) // page_size
     n = last_page - first_page + 1
-    # Decode steps touch one page: one page per program keeps B*H programs.  Long chunks take 4 pages per
-    # program (16 KiB of fp16 keys at D=128) so the grid stays a few hundred thousand programs at most.
-    pages = 1 if n <= 2 else 4
+    # Decode steps touch one page: one page per program keeps B*H programs.  Long chunks load a tile of
+    # TILE_ELEMENTS keys per program (4 pages of 16 tokens at D = 128), all in flight at once.
+    pages = 1 if n <= 2 else max(1, min(pow2(n), TILE_ELEMENTS // (page_size * pow2(D))))
     grid = (triton.cdiv(n, pages), B * H)
     _minmax_update_kernel[grid](
         kmin, kmax, keys, valid_lo, start, T, H,
         *kmin.stride(), *keys.stride(),
-        D=D, BLOCK_D=pow2(D), PAGE_SIZE=page_size, PAGES=pages, num_warps=4,
+        D=D, BLOCK_D=pow2(D), PAGE_SIZE=page_size, PAGES=pages, num_warps=4 if pages == 1 else 8,
     )
