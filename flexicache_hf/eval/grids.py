@@ -416,6 +416,13 @@ def shrink_qwen_cpu_512() -> EvalConfig:
     return replace(shrink_qwen_cpu(), name="shrink-qwen-cpu-512", fidelity_extra=extra)
 
 
+def qwen_32k_retention() -> EvalConfig:
+    """Issue 14's retrieval target at 32k with a sample size that can show it: the question after the context
+    (where eviction baselines lose what they dropped), budget 2048 (1/16), 8 samples a task (``qwen-32k-later-question``
+    had 3: FlexiCache 75 %, one multikey sample lost), every family; ~5 min on an H200."""
+    return replace(_later_question(qwen_32k()), name="qwen-32k-retention", samples=8, budgets=(2048,))
+
+
 def named_configs() -> dict:
     return {"tiny": tiny, "full": full, "gpu-short": gpu_short, "fidelity-3k": fidelity_3k,
             "profiles-3k": profiles_3k, "sinks-3k": sinks_3k, "recency-8k": recency_8k,
@@ -430,4 +437,4 @@ def named_configs() -> dict:
             "profiles-qwen-cpu-budgets": profiles_qwen_cpu_budgets, "later-question-cpu": later_question_cpu,
             "question-in-prompt-cpu": question_in_prompt_cpu,
             "qwen-16k-later-question": lambda: _later_question(qwen_16k()),
-            "qwen-32k-later-question": lambda: _later_question(qwen_32k())}
+            "qwen-32k-later-question": lambda: _later_question(qwen_32k()), "qwen-32k-retention": qwen_32k_retention}
