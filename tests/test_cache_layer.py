@@ -157,6 +157,40 @@ def test_every_new_page_has_a_slot_until_the_next_rerank(ps, R, prompt, stagger)
     assert any(heads and 0 in heads[0] for _, heads, _ in history)  # the stable head re-ranked in between
 
 
+def _random_layer_case(i: int) -> dict:
+    """The ``i``-th of a fixed set of small random layer configurations (page size, interval, budget, prompt length
+    and alignment, padding, batch, unstable heads, offload, stagger, forced pages)."""
+    import random
+
+    r = random.Random(1000 + i)
+    ps = r.choice([1, 2, 4, 8])
+    R = r.choice([1, 2, 3, 4, 5, 8, 16])
+    prompt = r.choice([r.randint(1, 70), ps * r.randint(1, 9)])  # half of them end on a page boundary
+    B, H = r.randint(1, 3), r.randint(1, 3)
+    lo = [0] + [r.randint(0, prompt - 1) for _ in range(B - 1)]
+    extra = {}
+    if r.random() < 0.4:
+        extra["stagger_reranks"] = True
+    if r.random() < 0.3:
+        extra.update(sink_pages=r.randint(0, 1), recent_pages=r.randint(0, 2))
+    pages = max(r.randint(2, 6), sum(extra.get(k, 0) for k in ("sink_pages", "recent_pages")) + 1)
+    return dict(B=B, H=H, G=r.choice([1, 2, 3]), D=8, prompt=prompt, steps=2 * R + r.randint(1, 2 * ps + 2),
+                ps=ps, budget=ps * pages, R=R, offload=r.random() < 0.8, valid_lo=torch.tensor(lo),
+                unstable=[(0, h) for h in range(H) if r.random() < 0.4], **extra)
+
+
+@pytest.mark.parametrize("i", range(48))
+def test_random_layer_configurations_attend_exactly(i):
+    """Seeded random configurations through ``drive``: every step's output is exact softmax attention over the
+    attended pages from the full history, and every attended page is on the device (edges of page size, interval,
+    prompt alignment, padding, budget and forced pages that the fixed cases above do not reach)."""
+    case = _random_layer_case(i)
+    unstable, H, G = case.pop("unstable"), case["H"], case["G"]
+    cfg = tiny_config("llama", heads=H * G, kv_heads=H, layers=1, head_dim=8)
+    kw = {k: case.pop(k) for k in ("stagger_reranks", "sink_pages", "recent_pages") if k in case}
+    drive(HeadProfile.from_unstable(cfg, unstable), **case, **kw)
+
+
 def test_all_stable_layer_skips_scoring_between_reranks():
     cfg = tiny_config("llama", heads=2, kv_heads=2, layers=1, head_dim=8)
     cache, history = drive(HeadProfile.all_stable(cfg), B=1, H=2, G=1, D=8, prompt=30, steps=9, ps=4,

@@ -279,3 +279,45 @@ def test_chunks_through_forward_then_generate_equals_dense(max_cache_len):
     prefill_in_chunks(fc, ids, cache, 16)
     assert cache.get_seq_length() == ids.shape[1] - 1
     assert torch.equal(greedy(fc, ids, cache, n=12), want)
+
+
+def _offload_case(i: int) -> dict:
+    """The ``i``-th of a fixed set of small random multi-turn configurations (small budgets)."""
+    import random
+
+    r = random.Random(2000 + i)
+    ps = r.choice([2, 4, 8])
+    turns = [ps * r.randint(3, 8) if r.random() < 0.5 else r.randint(5, 60)]  # a first prompt often page-aligned
+    turns += [r.randint(1, 30) for _ in range(r.randint(0, 2))]
+    return dict(ps=ps, R=r.choice([1, 2, 4, 8, 16]), pages=r.randint(2, 5), n=r.randint(3, 20), turns=turns,
+                stagger=r.random() < 0.4, unstable=r.choice([0.0, 0.25, 0.5]), seed=r.randint(0, 99),
+                chunk=r.choice([None, None, 16]))
+
+
+@pytest.mark.parametrize("i", range(24))
+def test_offload_changes_where_pages_live_not_what_is_attended(i):
+    """Seeded random small-budget chats (page size, interval, stagger, unstable share, page-aligned prompts, follow-up
+    turns, chunked prefill): a cache that offloads its stable heads gives exactly the logits of one that keeps every
+    page on the device, turn after turn (offload moves pages between tiers; it must never change the selection or the
+    data a selected page holds)."""
+    c = _offload_case(i)
+    cfg = tiny_config("llama", heads=4, kv_heads=2)
+    fc, _ = twin_models(cfg)
+    g = torch.Generator().manual_seed(c["seed"])
+    turns = [torch.randint(2, 96, (1, t), generator=g) for t in c["turns"]]
+    profile = HeadProfile.random(cfg, c["unstable"], seed=c["seed"])
+    logits = {}
+    for offload in (False, True):
+        cache = FlexiCache(profile, page_size=c["ps"], token_budget=c["ps"] * c["pages"], rerank_interval=c["R"],
+                           stagger_reranks=c["stagger"], offload=offload)
+        conversation, out = None, []
+        for turn in turns:
+            ids = turn if conversation is None else torch.cat([conversation, turn], 1)
+            res = fc.generate(ids, max_new_tokens=c["n"], min_new_tokens=c["n"], do_sample=False, past_key_values=cache,
+                              attention_mask=torch.ones_like(ids), output_logits=True, return_dict_in_generate=True,
+                              prefill_chunk_size=c["chunk"])
+            conversation = res.sequences
+            out += list(res.logits)
+        logits[offload] = (conversation, torch.stack(out))
+    assert torch.equal(logits[False][0], logits[True][0])
+    torch.testing.assert_close(logits[True][1], logits[False][1], atol=1e-5, rtol=1e-5)
