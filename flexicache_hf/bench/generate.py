@@ -26,7 +26,9 @@ Rows:
   unsupported variant or an out-of-memory records ``{"error": ...}`` and the run goes on.
   ``--static-prefill-chunk N`` prefills these rows' prompts in eager chunks of N tokens (``prefill_in_chunks``,
   timed as part of the first token) before ``generate`` takes the filled cache: a prompt whose one-shot prefill
-  does not fit beside a static buffer (16 × 30k on the H200) then fits.
+  does not fit beside a static buffer (16 × 30k on the H200) then fits.  ``--prefill-chunk N`` does the same for
+  the flexicache rows (each chunk after the first attends exactly over the cached prefix, as a follow-up turn
+  does): a batch whose one-shot prefill activations do not fit (``--largest-batch``) then may.
 * ``offloaded``: ``cache_implementation="offloaded"`` (``DynamicCache`` with layer-wise CPU offload);
   fewer steps (``--offloaded-tokens``) since each costs ~1 s at long contexts.
 * ``flexicache``: ``FlexiCache(profile, token_budget=..., max_cache_len=prompt + new)``, **eager**
@@ -506,7 +508,8 @@ def generate_once(model, ids, row: str, args, new: int, *, profile=None, stop_af
               stopping_criteria=StoppingCriteriaList([clock.stop]), pad_token_id=0)
     if eager or not is_compiled(row):
         kw["disable_compile"] = True
-    chunk = args.static_prefill_chunk if row.startswith("static") else 0
+    chunk = (args.static_prefill_chunk if row.startswith("static")
+             else args.prefill_chunk if row.startswith("flexicache") else 0)
     if row == "offloaded" and args.host_limit_gb > 0:
         need = kv_bytes(model.config, ids.shape[0], ids.shape[1] + new)
         if need > args.host_limit_gb * 1e9:
@@ -528,6 +531,8 @@ def generate_once(model, ids, row: str, args, new: int, *, profile=None, stop_af
     torch.cuda.reset_peak_memory_stats()
     torch.cuda.synchronize()
     clock.t0 = time.perf_counter()
+    if chunk and passed_in and int(cache.get_seq_length()):
+        chunk = 0  # a later turn on a filled cache (the follow-up case): generate takes it whole
     if chunk:  # the time to first token includes the chunks
         prefill_in_chunks(model, ids, cache, chunk)
     out = model.generate(ids, **kw)
@@ -556,8 +561,8 @@ def generate_once(model, ids, row: str, args, new: int, *, profile=None, stop_af
 
 
 def prefill_in_chunks(model, ids: torch.Tensor, cache, chunk: int) -> None:
-    """``--static-prefill-chunk``: fill ``cache`` with every prompt token but the last, ``chunk`` tokens per eager
-    forward; ``generate`` then prefills the last token itself and decodes as usual (compiled, for a static cache).
+    """``--static-prefill-chunk`` / ``--prefill-chunk``: fill an empty ``cache`` with every prompt token but the
+    last, ``chunk`` tokens per eager forward; ``generate`` then prefills the last token itself and decodes as usual (compiled, for a static cache).
 
     Not ``generate(prefill_chunk_size=...)``: for a compileable cache ``generate`` compiles the chunks too, and on
     the H200 image (torch 2.11, transformers 5.17) that compiled chunked prefill of a ``StaticCache`` failed at
@@ -824,6 +829,8 @@ def main(argv=None) -> list[dict]:
                     help="attention implementations of the static row, comma separated (sdpa,eager,flex_attention)")
     ap.add_argument("--static-prefill-chunk", type=int, default=0, metavar="TOKENS",
                     help="static rows prefill in eager chunks of this many tokens before generate (0: at once)")
+    ap.add_argument("--prefill-chunk", type=int, default=0, metavar="TOKENS",
+                    help="flexicache rows prefill in eager chunks of this many tokens before generate (0: at once)")
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--offloaded-tokens", type=int, default=16)
     ap.add_argument("--budget", type=int, default=1024)
