@@ -521,6 +521,8 @@ def generate_once(model, ids, row: str, args, new: int, *, profile=None, stop_af
     if chunk and cache is None:
         raise RuntimeError("--static-prefill-chunk needs a StaticCache made here (this transformers' StaticCache "
                            "signature is unknown)")
+    if chunk and int(cache.get_seq_length()):
+        chunk = 0  # a later turn on a filled cache (the follow-up case): generate takes it whole
     if cache is not None:
         kw["past_key_values"] = cache
     else:
@@ -531,8 +533,6 @@ def generate_once(model, ids, row: str, args, new: int, *, profile=None, stop_af
     torch.cuda.reset_peak_memory_stats()
     torch.cuda.synchronize()
     clock.t0 = time.perf_counter()
-    if chunk and passed_in and int(cache.get_seq_length()):
-        chunk = 0  # a later turn on a filled cache (the follow-up case): generate takes it whole
     if chunk:  # the time to first token includes the chunks
         prefill_in_chunks(model, ids, cache, chunk)
     out = model.generate(ids, **kw)
@@ -562,7 +562,8 @@ def generate_once(model, ids, row: str, args, new: int, *, profile=None, stop_af
 
 def prefill_in_chunks(model, ids: torch.Tensor, cache, chunk: int) -> None:
     """``--static-prefill-chunk`` / ``--prefill-chunk``: fill an empty ``cache`` with every prompt token but the
-    last, ``chunk`` tokens per eager forward; ``generate`` then prefills the last token itself and decodes as usual (compiled, for a static cache).
+    last, ``chunk`` tokens per eager forward; ``generate`` then prefills the last token itself and decodes as
+    usual (compiled, for a static cache).
 
     Not ``generate(prefill_chunk_size=...)``: for a compileable cache ``generate`` compiles the chunks too, and on
     the H200 image (torch 2.11, transformers 5.17) that compiled chunked prefill of a ``StaticCache`` failed at

@@ -33,11 +33,12 @@ from .uva_copy import PageCopier
 # NVRTC kernel (one per device, built on first use), so that cache lives exactly as long as this module.
 _COPIER = PageCopier()
 GPU_KERNELS = SimpleNamespace(append_token=append_token, page_scores=page_scores, select_pages=select_pages,
-                              sparse_decode=sparse_decode, copy_pages=_COPIER.copy_pages,
-                              copy_kv_pages=_COPIER.copy_kv_pages, reseat_slots=reseat_slots, place_page=place_page)
+                              sparse_decode=sparse_decode, copy_kv_pages=_COPIER.copy_kv_pages,
+                              reseat_slots=reseat_slots, place_page=place_page)
 
 # The decode-step kernels go through .ops (direct launches eagerly, custom ops under torch.compile); the
-# prompt-side ones (minmax over a chunk, row copies) run eagerly only.
+# prompt-side ones (minmax over a chunk, row copies) and the one-pool page copy (benchmarks; the cache copies K
+# and V together) run eagerly only.
 GPU_OPS = KernelOps(
     name="triton",
     minmax_update=minmax_update,
@@ -45,7 +46,7 @@ GPU_OPS = KernelOps(
     page_scores=traced("page_scores", page_scores),
     select_pages=traced("select_pages", select_pages),
     sparse_decode=traced("sparse_decode", sparse_decode),
-    copy_pages=traced("copy_pages", GPU_KERNELS.copy_pages),
+    copy_pages=_COPIER.copy_pages,
     copy_kv_pages=traced("copy_kv_pages", GPU_KERNELS.copy_kv_pages),
     copy_rows=RowCopier().copy_rows,
     reseat_slots=traced("reseat_slots", reseat_slots),

@@ -64,16 +64,6 @@ def _(query, k_pool, v_pool, page_table, pages, valid_lo, seq_len, scale):
     return torch.empty_like(query)
 
 
-@custom_op("flexicache::copy_pages", mutates_args=("dst",))
-def copy_pages_op(dst: Tensor, dst_index: Tensor, src: Tensor, src_index: Tensor) -> None:
-    _impl("copy_pages", dst if dst.is_cuda else src)(dst, dst_index, src, src_index)
-
-
-@copy_pages_op.register_fake
-def _(dst, dst_index, src, src_index):
-    return None
-
-
 @custom_op("flexicache::copy_kv_pages", mutates_args=("dst_k", "dst_v"))
 def copy_kv_pages_op(dst_k: Tensor, dst_v: Tensor, dst_index: Tensor, src_k: Tensor, src_v: Tensor,
                      src_index: Tensor) -> None:
@@ -138,11 +128,6 @@ def traced(name: str, eager):
         if torch.compiler.is_compiling():
             return sparse_decode_op(query, k_pool, v_pool, page_table, pages, valid_lo, seq_len, scale)
         return eager(query, k_pool, v_pool, page_table, pages, valid_lo, seq_len, scale)
-
-    def copy_pages(dst, dst_index, src, src_index):
-        if torch.compiler.is_compiling():
-            return copy_pages_op(dst, dst_index, src, src_index)
-        return eager(dst, dst_index, src, src_index)
 
     def copy_kv_pages(dst_k, dst_v, dst_index, src_k, src_v, src_index):
         if torch.compiler.is_compiling():

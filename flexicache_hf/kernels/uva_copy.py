@@ -126,9 +126,9 @@ class _TorchStream:
 
 
 class PageCopier:
-    """``copy_pages`` with its compiled kernel cached on this object, one per device.
+    """``copy_pages`` / ``copy_kv_pages`` with their compiled kernel cached on this object, one per device.
 
-    ``GPU_OPS`` owns one instance (its ``copy_pages`` bound method), so the NVRTC compile happens once per
+    ``GPU_OPS`` owns one instance (its bound methods), so the NVRTC compile happens once per
     process and device, on first use; a lock makes the first use safe from several threads.
 
     Args:

@@ -285,7 +285,7 @@ def test_copy_pages_uses_the_kernel():
     """Pinned host <-> device copies must take the cuda-python path, not the torch fallback."""
     from flexicache_hf.kernels.gpu import GPU_OPS
 
-    copier = GPU_OPS.copy_pages.eager.__self__
+    copier = GPU_OPS.copy_pages.__self__
     host = torch.randn(4, 16, 64).pin_memory()
     dev = torch.zeros(4, 16, 64, device=DEV)
     assert copier.usable(dev, host) is not None, copier.unavailable
