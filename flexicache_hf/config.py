@@ -41,7 +41,8 @@ class FlexiCacheConfig:
             Quest's bound ``q·c + Σ_i |q_i| h_i`` over the page's key box (centre ``c``, half-range ``h``, from the
             MinMax cache); ``λ < 1`` scores ``q·c + λ Σ_i |q_i| h_i``, which is no longer an upper bound.  ``1`` =
             the paper.  An offline study recovered more of the exact attention mass at ``λ = 0.5`` on
-            Qwen2.5-Coder-0.5B (``docs/benchmarks/NOTES.md``); its effect on generation is not measured yet.
+            Qwen2.5-Coder-0.5B (``docs/benchmarks/NOTES.md``); at 16k on that model ``0.5`` takes FlexiCache from
+            1.115 to 1.051 x dense NLL at budget 2048 (``docs/benchmarks/accuracy.md``).
         stagger_reranks: ``False`` (the paper): every layer's stable heads re-rank on the same steps ``R, 2R,
             ...``, so every R-th step promotes all layers' new pages at once.  ``True``: layer ``l`` re-ranks them
             on the steps ``s ≡ l (mod R)``, ``s > 0``, so each step promotes ~1/R of the pages: the same interval per

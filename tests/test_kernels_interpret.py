@@ -178,7 +178,9 @@ else:
             assert torch.equal(ours[0].view(-1, D)[rows.reshape(-1)], key.reshape(-1, D))
             assert torch.equal(ours[2][:, :, page], torch.minimum(k_min[:, :, page], key)), page
 
-    @pytest.mark.parametrize("D,ps,T,start", [(128, 16, 301, 0), (64, 8, 1000, 5)])  # tiles of 4 / 16 pages
+    # Tiles of 8 / 16 pages; pages longer than one unrolled group of 16 tokens; one-token pages; D not a power of 2.
+    @pytest.mark.parametrize("D,ps,T,start", [(128, 16, 301, 0), (64, 8, 1000, 5), (64, 64, 700, 40),
+                                              (32, 1, 90, 3), (80, 32, 333, 17)])
     def test_minmax_long_chunk_non_contiguous_keys(D, ps, T, start):
         """A long chunk (several tiles of pages per (row, head), a chunk starting inside a page) from HF's
         transposed key view."""

@@ -329,6 +329,18 @@ def select_16k_shrink() -> EvalConfig:
     return replace(select_16k(), name="select-16k-shrink", page_size=8, fidelity_extra=out)
 
 
+def select_16k_unstable() -> EvalConfig:
+    """:func:`select_16k_shrink`'s FlexiCache rows (8-token pages, mass, shrink 0.5, R = 16) with the least-stable
+    37.5 % of heads re-ranked every step instead of 25 %: how much of the gap to the every-step twin do more
+    unstable heads close?  Then the every-step twin at 1024 (the same-run anchor) and the 25 % row at a narrower
+    shrink (0.375)."""
+    out = (Policy("flexicache", 2048, 16, 0.375, group_score="mass", bound_shrink=0.5),
+           Policy("flexicache", 1024, 16, 0.375, group_score="mass", bound_shrink=0.5),
+           Policy("quest", 1024, group_score="mass", bound_shrink=0.5),
+           Policy("flexicache", 2048, group_score="mass", bound_shrink=0.375))
+    return replace(select_16k(), name="select-16k-unstable", page_size=8, fidelity_extra=out)
+
+
 def select_cpu() -> EvalConfig:
     """``select-16k``'s question on the embedded SmolLM2 (3 query heads per KV head), CPU-sized like
     ``oracle-cpu``: 2 documents of 2,048 prompt tokens + 64 dense tokens, teacher-forced, budget 256: FlexiCache
@@ -423,6 +435,14 @@ def qwen_32k_retention() -> EvalConfig:
     return replace(_later_question(qwen_32k()), name="qwen-32k-retention", samples=8, budgets=(2048,))
 
 
+def qwen_32k_retention_tuned() -> EvalConfig:
+    """:func:`qwen_32k_retention` with the settings the README recommends for long outputs on Qwen2.5-class models
+    (8-token pages, group mass, ``bound_shrink=0.5``): does retrieval at 1/16 of 32k hold with them?  FlexiCache
+    (measured profile) and its every-step twin; the eviction baselines do not depend on these settings."""
+    extra = tuple(Policy(f, 2048, group_score="mass", bound_shrink=0.5) for f in ("flexicache", "quest"))
+    return replace(qwen_32k_retention(), name="qwen-32k-retention-tuned", page_size=8, families=(), task_extra=extra)
+
+
 def named_configs() -> dict:
     return {"tiny": tiny, "full": full, "gpu-short": gpu_short, "fidelity-3k": fidelity_3k,
             "profiles-3k": profiles_3k, "sinks-3k": sinks_3k, "recency-8k": recency_8k,
@@ -431,10 +451,12 @@ def named_configs() -> dict:
             "oracle-qwen-cpu": oracle_qwen_cpu, "qwen-8k": qwen_8k, "qwen-16k": qwen_16k, "qwen-32k": qwen_32k,
             "select-16k": select_16k, "select-16k-pages8": select_16k_pages8, "select-16k-rest": select_16k_rest,
             "select-16k-seat": select_16k_seat, "select-16k-shrink": select_16k_shrink,
+            "select-16k-unstable": select_16k_unstable,
             "select-cpu": select_cpu, "shrink-cpu": shrink_cpu, "shrink-qwen-cpu": shrink_qwen_cpu,
             "shrink-qwen-cpu-512": shrink_qwen_cpu_512,
             "profiles-qwen-cpu": profiles_qwen_cpu, "mass-tasks-cpu": mass_tasks_cpu,
             "profiles-qwen-cpu-budgets": profiles_qwen_cpu_budgets, "later-question-cpu": later_question_cpu,
             "question-in-prompt-cpu": question_in_prompt_cpu,
             "qwen-16k-later-question": lambda: _later_question(qwen_16k()),
-            "qwen-32k-later-question": lambda: _later_question(qwen_32k()), "qwen-32k-retention": qwen_32k_retention}
+            "qwen-32k-later-question": lambda: _later_question(qwen_32k()), "qwen-32k-retention": qwen_32k_retention,
+            "qwen-32k-retention-tuned": qwen_32k_retention_tuned}

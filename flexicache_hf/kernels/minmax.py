@@ -1,9 +1,9 @@
 """Triton twin of :func:`flexicache_hf.kernels.reference.minmax_update`: fold new keys into the MinMax cache.
 
-One program owns ``PAGES`` consecutive logical pages of one (row, KV head): it reads the new keys of those
-pages as one tile straight from ``keys`` in their storage dtype (no fp32 copy of a prompt chunk is ever materialised),
-reduces min / max over the page's valid tokens in fp32 registers, and folds the result into
-``kmin`` / ``kmax``.  The same kernel serves a decode step (T = 1: one page per (row, head)) and a 32k-token
+One program owns ``PAGES`` consecutive logical pages of one (row, KV head).  Each thread owns fixed (page,
+channel) cells and walks the pages' tokens in unrolled groups, reading the new keys straight from ``keys`` in
+their storage dtype (no fp32 copy of a prompt chunk is ever materialised): min / max reduce elementwise in fp32
+registers, with no shuffle or shared-memory step, and fold into ``kmin`` / ``kmax``.  The same kernel serves a decode step (T = 1: one page per (row, head)) and a 32k-token
 prompt chunk (2048 pages per (row, head)).
 """
 
@@ -31,29 +31,37 @@ def _minmax_update_kernel(
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
-    PAGES: tl.constexpr,  # pages per program, loaded as one [PAGES, PAGE_SIZE, BLOCK_D] tile
+    PAGES: tl.constexpr,  # pages per program
+    UNROLL: tl.constexpr,  # tokens per unrolled group (divides PAGE_SIZE)
 ):
     pid_p = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)  # int64: B*H*T*D exceeds 2**31 at B=64 x 32k prompts
     b = bh // H
     h = bh % H
     lo_valid = tl.load(valid_lo_ptr + b)
-    t = tl.arange(0, PAGE_SIZE)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
     end = start + T
     # The program's logical pages (some may lie past the chunk: nothing of them is valid).
     page = start // PAGE_SIZE + pid_p * PAGES + tl.arange(0, PAGES)  # [PAGES]
-    pos = page[:, None] * PAGE_SIZE + t[None, :]  # [PAGES, PAGE_SIZE] token positions
-    ok = (pos >= start) & (pos < end) & (pos >= lo_valid)
-    row = (pos - start).to(tl.int64) * s_kt  # [PAGES, PAGE_SIZE]
-    k_off = b * s_kb + h * s_kh + row[:, :, None] + (d * s_kd)[None, None, :]
-    # One load of the whole tile: every page's keys are in flight at once.
-    k = tl.load(keys_ptr + k_off, mask=ok[:, :, None] & d_ok[None, None, :], other=0.0).to(tl.float32)
-    # min/max of each page's valid tokens; exact in fp32 (every storage dtype converts exactly).
-    lo = tl.min(tl.where(ok[:, :, None], k, float("inf")), axis=1)  # [PAGES, BLOCK_D]
-    hi = tl.max(tl.where(ok[:, :, None], k, float("-inf")), axis=1)
-    n_valid = tl.sum(ok.to(tl.int32), axis=1)  # [PAGES]; a page with no valid token keeps its sentinels
+    base = keys_ptr + b * s_kb + h * s_kh
+    col = (d * s_kd)[None, :]
+    # Each thread owns fixed (page, channel) cells and walks the page's tokens: the reduction is elementwise in
+    # registers (no shuffles, no shared memory), and the unrolled token loads are independent, so a whole
+    # group of them is in flight at once.
+    lo = tl.full([PAGES, BLOCK_D], float("inf"), tl.float32)
+    hi = tl.full([PAGES, BLOCK_D], float("-inf"), tl.float32)
+    n_valid = tl.zeros([PAGES], tl.int32)  # a page with no valid token keeps its sentinels
+    for t0 in range(0, PAGE_SIZE, UNROLL):
+        for u in tl.static_range(UNROLL):
+            pos = page * PAGE_SIZE + (t0 + u)  # [PAGES] this token of each page
+            ok = (pos >= start) & (pos < end) & (pos >= lo_valid)
+            row = (pos - start).to(tl.int64) * s_kt
+            k = tl.load(base + row[:, None] + col, mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+            # min/max in fp32 registers; exact (every storage dtype converts exactly).
+            lo = tl.minimum(lo, tl.where(ok[:, None], k, float("inf")))
+            hi = tl.maximum(hi, tl.where(ok[:, None], k, float("-inf")))
+            n_valid += ok.to(tl.int32)
     m_off = b * s_mb + h * s_mh + page.to(tl.int64)[:, None] * s_mp + (d * s_md)[None, :]
     w = d_ok[None, :] & (n_valid[:, None] > 0)  # [PAGES, BLOCK_D]
     cur_lo = tl.load(kmin_ptr + m_off, mask=w, other=0.0)
@@ -62,7 +70,8 @@ def _minmax_update_kernel(
     tl.store(kmax_ptr + m_off, tl.maximum(cur_hi.to(tl.float32), hi).to(cur_hi.dtype), mask=w)
 
 
-TILE_ELEMENTS = 8192  # keys per program on a long chunk: 16 KiB of fp16, 32 fp32 registers per thread at 8 warps
+TILE_ELEMENTS = 1024  # (page, channel) cells per program on a long chunk: 8 pages at D = 128, 8 per thread
+UNROLL_TOKENS = 16  # token loads per unrolled group: 16 x 16 B in flight per thread
 
 
 def minmax_update(
@@ -81,12 +90,12 @@ def minmax_update(
         return reference.minmax_update(kmin, kmax, keys, start, valid_lo, page_size)
     first_page, last_page = start // page_size, (start + T - 1) // page_size
     n = last_page - first_page + 1
-    # Decode steps touch one page: one page per program keeps B*H programs.  Long chunks load a tile of
-    # TILE_ELEMENTS keys per program (4 pages of 16 tokens at D = 128), all in flight at once.
-    pages = 1 if n <= 2 else max(1, min(pow2(n), TILE_ELEMENTS // (page_size * pow2(D))))
+    # Decode steps touch one page: one page per program keeps B*H programs.  Long chunks give each program
+    # TILE_ELEMENTS (page, channel) cells (8 pages at D = 128).
+    pages = 1 if n <= 2 else max(1, min(pow2(n), TILE_ELEMENTS // pow2(D)))
     grid = (triton.cdiv(n, pages), B * H)
     _minmax_update_kernel[grid](
         kmin, kmax, keys, valid_lo, start, T, H,
         *kmin.stride(), *keys.stride(),
-        D=D, BLOCK_D=pow2(D), PAGE_SIZE=page_size, PAGES=pages, num_warps=4 if pages == 1 else 8,
+        D=D, BLOCK_D=pow2(D), PAGE_SIZE=page_size, PAGES=pages, UNROLL=min(page_size, UNROLL_TOKENS), num_warps=4,
     )
