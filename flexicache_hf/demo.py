@@ -21,6 +21,7 @@ from .config import FlexiCacheConfig
 from .corpus import REFERENCE
 from .data import build_prompt, documents_by_source
 from .head_profile import resolve_profile
+from .hf_compat import generate_cache_kwarg
 from .models import load_default_model
 
 DEMO_PROFILE = "SmolLM2-135M-Instruct"
@@ -60,7 +61,7 @@ def main(argv=None) -> dict:
     gen = dict(max_new_tokens=args.new_tokens, do_sample=False, attention_mask=torch.ones_like(ids))
 
     t0 = time.perf_counter()
-    out = model.generate(ids, past_key_values=cache, **gen)
+    out = model.generate(ids, **{generate_cache_kwarg(): cache}, **gen)
     t_fc = time.perf_counter() - t0
     new = out[0, ids.shape[1]:]
     print("\n--- FlexiCache output " + "-" * 50)
@@ -80,7 +81,7 @@ def main(argv=None) -> dict:
     if not args.no_dense:
         model.set_attn_implementation("sdpa")
         t0 = time.perf_counter()
-        dense = model.generate(ids, past_key_values=DynamicCache(), **gen)[0, ids.shape[1]:]
+        dense = model.generate(ids, **{generate_cache_kwarg(): DynamicCache()}, **gen)[0, ids.shape[1]:]
         report["seconds_dense"] = time.perf_counter() - t0
         model.set_attn_implementation("flexicache")
         print("\n--- DynamicCache output (dense, for comparison) " + "-" * 24)

@@ -18,6 +18,7 @@ from transformers import TextGenerationPipeline
 from .cache import FlexiCache
 from .config import FlexiCacheConfig
 from .head_profile import resolve_profile
+from .hf_compat import generate_cache_kwarg
 
 
 class FlexiCachePipeline(TextGenerationPipeline):
@@ -51,7 +52,7 @@ class FlexiCachePipeline(TextGenerationPipeline):
         if "past_key_values" in generate_kwargs or "cache" in generate_kwargs:
             raise ValueError("FlexiCachePipeline makes its own cache per call; do not pass past_key_values")
         self.last_cache = self._empty_cache(self._max_cache_len(model_inputs, generate_kwargs))
-        return super()._forward(model_inputs, past_key_values=self.last_cache, **generate_kwargs)
+        return super()._forward(model_inputs, **{generate_cache_kwarg(): self.last_cache}, **generate_kwargs)
 
     def _empty_cache(self, max_cache_len: int | None) -> FlexiCache:
         """The last call's sized cache reset when it holds ``max_cache_len`` tokens (a batch of another size

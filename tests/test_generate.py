@@ -158,6 +158,34 @@ def test_pipeline_gives_every_call_an_empty_cache_reusing_a_sized_one_that_fits(
         pipe(prompts[:1], past_key_values=DynamicCache(), **kw)
 
 
+def test_the_cache_goes_in_under_the_name_this_transformers_takes():
+    """Newer transformers renamed generate's ``past_key_values`` to ``cache`` (the old name warns until 6.0): the
+    pipeline passes the cache under the current name, with no deprecation warning, and both names give a FlexiCache
+    the same tokens where both exist."""
+    import warnings
+
+    from conftest import word_tokenizer
+    from flexicache_hf.hf_compat import generate_cache_kwarg
+
+    name = generate_cache_kwarg()
+    assert name in ("cache", "past_key_values")
+    cfg = tiny_config("llama", heads=4, kv_heads=2)
+    fc, dense = twin_models(cfg)
+    profile = HeadProfile.random(cfg, 0.25)
+    ids = torch.randint(2, 96, (1, 40))
+    caches = [FlexiCache(profile, page_size=4, token_budget=16, rerank_interval=3) for _ in range(2)]
+    a = fc.generate(ids, max_new_tokens=12, do_sample=False, **{name: caches[0]})
+    b = greedy(fc, ids, caches[1], n=12)
+    assert torch.equal(a, b) and caches[0].get_seq_length() == caches[1].get_seq_length() == 40 + 11
+    pipe = pipeline("text-generation", model=fc, tokenizer=word_tokenizer(), pipeline_class=FlexiCachePipeline,
+                    flexicache_profile=profile, flexicache_config=FlexiCacheConfig(**FULL))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        pipe("w5 w6 w7 w8 w9", max_new_tokens=4, do_sample=False)
+    assert not [w for w in seen if "past_key_values" in str(w.message)]
+    assert pipe.last_cache.get_seq_length() == 5 + 3
+
+
 @pytest.mark.slow
 def test_smollm2_full_budget_equals_dense_on_corpus_prompt(smollm2):
     from flexicache_hf.data import long_prompt

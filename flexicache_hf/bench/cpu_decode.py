@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from ..hf_compat import generate_cache_kwarg
+
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -48,7 +50,7 @@ def main(argv=None) -> None:
         cache = cache_for(budget)
         t = time.process_time()
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                       do_sample=False, past_key_values=cache)
+                       do_sample=False, **{generate_cache_kwarg(): cache})
         return time.process_time() - t
 
     cases = [None, *a.budgets]

@@ -104,6 +104,8 @@ from pathlib import Path
 
 import torch
 
+from ..hf_compat import generate_cache_kwarg
+
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "docs" / "benchmarks"
 ROWS = ("dynamic", "static", "offloaded", "flexicache", "flexicache-graph")
 WARMUP_STEPS = 4
@@ -524,7 +526,7 @@ def generate_once(model, ids, row: str, args, new: int, *, profile=None, stop_af
     if chunk and int(cache.get_seq_length()):
         chunk = 0  # a later turn on a filled cache (the follow-up case): generate takes it whole
     if cache is not None:
-        kw["past_key_values"] = cache
+        kw[generate_cache_kwarg()] = cache
     else:
         kw["cache_implementation"] = "static" if is_compiled(row) else row
     before = pinned_stats()

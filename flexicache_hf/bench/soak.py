@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from ..hf_compat import generate_cache_kwarg
+
 
 def _libc():
     try:
@@ -130,7 +132,7 @@ def soak(*, calls: int = 1000, model: str = "tiny", device: str = "cpu", dtype: 
                            model_config=net.config)
         with torch.no_grad():
             net.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                         min_new_tokens=new_tokens, do_sample=False, past_key_values=cache)
+                         min_new_tokens=new_tokens, do_sample=False, **{generate_cache_kwarg(): cache})
         del cache, ids
         done = call + 1 - warmup
         if done >= 0 and (done % every == 0 or done == calls):

@@ -25,11 +25,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers.generation import utils as generation_utils
 
 from ..cache import FlexiCache
 from ..config import FlexiCacheConfig
 from ..head_profile import HeadProfile, ModelIdentity
+from ..hf_compat import generate_cache_kwarg
 from ..kernels.reference import select_pages
 from ..pages import num_pages
 from ..rerank import RerankEvent, SelectionObserver
@@ -256,12 +256,10 @@ def _run_sample(model, sample: Sample, *, new_tokens: int, k_pages: int, page_si
     pad = gen.pad_token_id if gen.pad_token_id is not None else gen.eos_token_id
     if isinstance(pad, list):
         pad = pad[0]
-    # transformers renamed generate's ``past_key_values`` to ``cache`` (the old name warns, then goes in 5.40).
-    cache_kw = "cache" if "cache" in getattr(generation_utils, "ALL_CACHE_NAMES", ()) else "past_key_values"
     with torch.inference_mode():
         # new_tokens + 1 tokens = exactly new_tokens decode steps (the first token comes from the prefill);
         # min_new_tokens stops an early EOS from shortening the record.
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), **{cache_kw: cache}, do_sample=False,
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **{generate_cache_kwarg(): cache}, do_sample=False,
                              max_new_tokens=new_tokens + 1, min_new_tokens=new_tokens + 1, pad_token_id=pad,
                              temperature=None, top_p=None, top_k=None)
     if rec.estimated.num_steps != new_tokens:
