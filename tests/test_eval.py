@@ -392,6 +392,26 @@ def test_fidelity_documents_spread_over_sources():
         fidelity.pick_documents(10, 60_000)
 
 
+def test_fidelity_summary_gives_the_nll_ratio_a_bootstrap_interval_over_documents():
+    def row(policy, doc, nll):
+        return {"policy": policy.label, "family": policy.family, "budget_tokens": policy.budget, "doc_index": doc,
+                "nll": nll, "top1_agreement": 1.0, "agreement_length": 1}
+
+    dense, same, spread = Policy("dense"), Policy("quest", 256), Policy("flexicache", 256)
+    dense_nll = [0.5, 1.0, 2.0, 1.5]
+    rows = [row(dense, i, x) for i, x in enumerate(dense_nll)]
+    rows += [row(same, i, 1.2 * x) for i, x in enumerate(dense_nll)]  # the same ratio on every document
+    rows += [row(spread, i, x * f) for i, (x, f) in enumerate(zip(dense_nll, (1.0, 1.0, 1.6, 1.0)))]
+    s = report.fidelity_summary(rows)
+    lo, hi = s[same.label]["nll_ratio_ci90"]
+    assert lo == pytest.approx(1.2) and hi == pytest.approx(1.2)
+    lo, hi = s[spread.label]["nll_ratio_ci90"]
+    assert lo < s[spread.label]["nll_ratio"] < hi and lo >= 1.0 and hi <= 1.6
+    assert s[spread.label]["nll_ratio_ci90"] == report.fidelity_summary(rows)[spread.label]["nll_ratio_ci90"]
+    one_doc = [r for r in rows if r["doc_index"] == 0]
+    assert report.fidelity_summary(one_doc)[spread.label]["nll_ratio_ci90"] is None
+
+
 def test_fidelity_margins_compare_flexicache_with_each_eviction_baseline():
     rows = [{"policy": p.label, "family": p.family, "budget_tokens": p.budget, "doc_index": 0, "nll": nll,
              "top1_agreement": agree, "agreement_length": 1, "rouge_l": rl}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from collections import defaultdict
 from pathlib import Path
 from statistics import mean
@@ -71,18 +72,41 @@ def markdown(results: dict, cfg: EvalConfig, ret: dict, fidelity: dict, command:
 EVICTION_FAMILIES = ("streaming", "snapkv", "lserve")
 
 
+def ratio_interval(nll: list[float], dense: list[float], level: float = 0.9, draws: int = 2000,
+                   seed: int = 0) -> tuple[float, float] | None:
+    """Bootstrap interval over documents of ``sum(nll) / sum(dense)`` (the per-document NLLs of a policy and of
+    dense, paired by position): how far the NLL ratio could move with another draw of as many documents.
+    ``None`` below two documents.  Seeded: the same rows give the same interval."""
+    n = len(nll)
+    if n < 2 or len(dense) != n:
+        return None
+    g = random.Random(seed)
+    stats = []
+    for _ in range(draws):
+        idx = [g.randrange(n) for _ in range(n)]
+        stats.append(sum(nll[i] for i in idx) / sum(dense[i] for i in idx))
+    stats.sort()
+    tail = (1 - level) / 2
+    return stats[int(tail * draws)], stats[min(draws - 1, int((1 - tail) * draws))]
+
+
 def fidelity_summary(rows: list[dict]) -> dict:
-    """Per policy: mean NLL, its ratio to dense, top-1 agreement, agreement length, ROUGE-L (when free-run)."""
+    """Per policy: mean NLL, its ratio to dense (with a 90 % bootstrap interval over documents), top-1 agreement,
+    agreement length, ROUGE-L (when free-run)."""
     acc = defaultdict(list)
     for r in rows:
         acc[r["policy"]].append(r)
     dense = mean(r["nll"] for r in acc["dense"]) if "dense" in acc else None
+    dense_of = {r["doc_index"]: r["nll"] for r in acc.get("dense", ())}
     out = {}
     for p, rs in acc.items():
         rl = [r["rouge_l"] for r in rs if "rouge_l" in r]
         nll = mean(r["nll"] for r in rs)
+        paired = [r for r in rs if r["doc_index"] in dense_of]
+        ci = ratio_interval([r["nll"] for r in paired], [dense_of[r["doc_index"]] for r in paired]) \
+            if dense and len(paired) == len(rs) else None
         out[p] = {"family": rs[0]["family"], "budget_tokens": rs[0]["budget_tokens"], "docs": len(rs), "nll": nll,
-                  "nll_ratio": nll / dense if dense else None,
+                  "nll_ratio": nll / dense if dense else None, "nll_ratio_ci90": ci,
                   "top1_agreement": mean(r["top1_agreement"] for r in rs),
                   "agreement_length": mean(r["agreement_length"] for r in rs), "rouge_l": mean(rl) if rl else None}
         am = [r["attended_mass"] for r in rs if "attended_mass" in r]
@@ -112,10 +136,14 @@ def _fidelity_tables(cfg: EvalConfig, rows: list[dict], summary: dict) -> list[s
     lines = [f"Long-generation fidelity (dense greedy continuation of {cfg.fidelity_length} tokens after "
              f"{cfg.fidelity_prompt} prompt tokens; mean over {len(docs)} documents: corpus indices "
              + ", ".join(map(str, docs)) + "):", "",
-             "| policy | NLL | NLL / dense | top-1 agreement | agreement length | ROUGE-L vs dense |",
+             "| policy | NLL | NLL / dense (90 % bootstrap interval over documents) | top-1 agreement | "
+             "agreement length | ROUGE-L vs dense |",
              "|---|---|---|---|---|---|"]
     for p, r in summary.items():
         ratio = "–" if r["nll_ratio"] is None else f"{r['nll_ratio']:.3f}"
+        ci = r.get("nll_ratio_ci90")
+        if ci is not None and p != "dense":
+            ratio += f" ({ci[0]:.3f}–{ci[1]:.3f})"
         lines.append(f"| {p} | {r['nll']:.3f} | {ratio} | {r['top1_agreement']:.3f} | {r['agreement_length']:.0f} | "
                      f"{_fmt(r['rouge_l'])} |")
     mass = {p: r["attended_mass"] for p, r in summary.items() if "attended_mass" in r}
