@@ -3,8 +3,8 @@
 One program owns ``PAGES`` consecutive logical pages of one (row, KV head).  Each thread owns fixed (page,
 channel) cells and walks the pages' tokens in unrolled groups, reading the new keys straight from ``keys`` in
 their storage dtype (no fp32 copy of a prompt chunk is ever materialised): min / max reduce elementwise in fp32
-registers, with no shuffle or shared-memory step, and fold into ``kmin`` / ``kmax``.  The same kernel serves a decode step (T = 1: one page per (row, head)) and a 32k-token
-prompt chunk (2048 pages per (row, head)).
+registers, with no shuffle or shared-memory step, and fold into ``kmin`` / ``kmax``.  The same kernel serves a
+decode step (T = 1: one page per (row, head)) and a 32k-token prompt chunk (2048 pages per (row, head)).
 """
 
 from __future__ import annotations
