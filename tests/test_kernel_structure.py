@@ -1,0 +1,48 @@
+"""Structure of a Triton kernel's machine code, checked without a GPU: the kernel is compiled for an sm_90 target
+(Triton's own LLVM and ptxas) and its PTX read.
+
+The prompt's MinMax update once reduced each page's tokens across warps (71 barriers and 256 shuffles per program)
+and ran at ~10 % of the H200's bandwidth; the rewrite keeps the reduction in each thread's registers
+(``docs/benchmarks/decode.md``). This guards that structure where the GPU cannot be reached.
+"""
+
+import re
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+
+def ptx_of(kernel, signature: dict, constexprs: dict, num_warps: int, aligned: tuple[str, ...]) -> str:
+    """PTX of ``kernel`` for sm_90; ``aligned``: the arguments a launch sees as multiples of 16 (Triton specialises
+    pointers and integers on that at run time), pointers always."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (name, t) in enumerate(signature.items())
+             if t.startswith("*") or name in aligned}
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    from triton.backends import backends
+
+    if "nvidia" not in backends:
+        pytest.skip("this Triton build has no CUDA backend")
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    return compiled.asm["ptx"]
+
+
+def test_prompt_minmax_reduces_in_registers_with_wide_independent_loads():
+    from flexicache_hf.kernels.minmax import UNROLL_TOKENS, _minmax_update_kernel
+
+    sig = {"kmin_ptr": "*fp16", "kmax_ptr": "*fp16", "keys_ptr": "*fp16", "valid_lo_ptr": "*i64", "start": "i32",
+           "T": "i32", "H": "i32", "s_mb": "i32", "s_mh": "i32", "s_mp": "i32", "s_md": "constexpr",
+           "s_kb": "i32", "s_kh": "i32", "s_kt": "i32", "s_kd": "constexpr", "D": "constexpr",
+           "BLOCK_D": "constexpr", "PAGE_SIZE": "constexpr", "PAGES": "constexpr", "UNROLL": "constexpr"}
+    # The launch of a long chunk at Llama's geometry: 8 pages of 16 tokens, D = 128, contiguous channels.
+    const = {"s_md": 1, "s_kd": 1, "D": 128, "BLOCK_D": 128, "PAGE_SIZE": 16, "PAGES": 8, "UNROLL": UNROLL_TOKENS}
+    # Strides of [B, H, P, 128] MinMax and [B, H, T, 128] keys (or HF's transposed view): multiples of 16.
+    ptx = ptx_of(_minmax_update_kernel, sig, const, num_warps=4,
+                 aligned=("s_mb", "s_mh", "s_mp", "s_kb", "s_kh", "s_kt"))
+    assert "bar.sync" not in ptx and "shfl" not in ptx  # no cross-thread reduction
+    wide = re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32", ptx)
+    assert len(wide) >= UNROLL_TOKENS  # every token of a group: one 16-byte load per thread, all independent
+    assert "st.global.v4.b32" in ptx  # the folded MinMax rows are written 16 bytes at a time
