@@ -50,7 +50,8 @@ class FlexiCachePipeline(TextGenerationPipeline):
 
     def _forward(self, model_inputs, **generate_kwargs):
         if "past_key_values" in generate_kwargs or "cache" in generate_kwargs:
-            raise ValueError("FlexiCachePipeline makes its own cache per call; do not pass past_key_values")
+            raise ValueError("FlexiCachePipeline makes its own cache per call; do not pass one (past_key_values= or "
+                             "cache=)")
         self.last_cache = self._empty_cache(self._max_cache_len(model_inputs, generate_kwargs))
         return super()._forward(model_inputs, **{generate_cache_kwarg(): self.last_cache}, **generate_kwargs)
 

@@ -259,9 +259,9 @@ def _run_sample(model, sample: Sample, *, new_tokens: int, k_pages: int, page_si
     with torch.inference_mode():
         # new_tokens + 1 tokens = exactly new_tokens decode steps (the first token comes from the prefill);
         # min_new_tokens stops an early EOS from shortening the record.
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), **{generate_cache_kwarg(): cache}, do_sample=False,
-                             max_new_tokens=new_tokens + 1, min_new_tokens=new_tokens + 1, pad_token_id=pad,
-                             temperature=None, top_p=None, top_k=None)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **{generate_cache_kwarg(): cache},
+                             do_sample=False, max_new_tokens=new_tokens + 1, min_new_tokens=new_tokens + 1,
+                             pad_token_id=pad, temperature=None, top_p=None, top_k=None)
     if rec.estimated.num_steps != new_tokens:
         raise RuntimeError(f"recorded {rec.estimated.num_steps} decode steps, expected {new_tokens}")
     rec.cache = None  # drop the KV pages now, keep only the selections
