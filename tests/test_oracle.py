@@ -282,3 +282,17 @@ def test_oracle_grids():
     assert {p.label for p in cfgs["profiles-qwen-cpu"]().fidelity_policies()} == {
         "dense", "flexicache-R16-u25@256", "flexicache-R16-u25-random@256", "flexicache-R16-u25-mass@256",
         "flexicache-R16-u25-random-mass@256"}
+
+
+def test_retention_grids_with_the_long_generation_settings():
+    cfgs = named_configs()
+    want = ["flexicache-R16-u38-mass-shrink0.5@{b}", "quest-mass-shrink0.5@{b}", "flexicache-R16-u25-mass@{b}"]
+    for name, length, budget in (("qwen-16k-retention-unstable", 16384, 1024),
+                                 ("qwen-32k-retention-unstable", 32768, 2048)):
+        c = cfgs[name]()
+        assert c.model == "qwen2.5-coder-0.5b" and c.question_after_context and c.page_size == 8
+        assert c.samples == 16 and c.task_length < length and c.fidelity_docs == 0
+        assert [p.label for p in c.task_policies()] == ["dense"] + [w.format(b=budget) for w in want]
+    cpu = cfgs["retention-shrink-qwen-cpu"]()
+    assert cpu.tasks == ("niah_multikey",) and cpu.task_length < 4096 and cpu.question_after_context
+    assert [p.label for p in cpu.task_policies()] == ["dense"] + [w.format(b=256) for w in want]

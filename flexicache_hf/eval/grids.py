@@ -443,6 +443,32 @@ def qwen_32k_retention_tuned() -> EvalConfig:
     return replace(qwen_32k_retention(), name="qwen-32k-retention-tuned", page_size=8, families=(), task_extra=extra)
 
 
+def _retention_rows(budget: int) -> tuple[Policy, ...]:
+    """The long-generation settings of issue 14 at one budget, for retrieval: FlexiCache (measured profile) with
+    the least-stable 37.5 % of heads re-ranked every step and ``bound_shrink=0.5``, its every-step twin with the
+    shrink, and FlexiCache with 25 % unstable and no shrink (the paper's bound); all with the group mass."""
+    return (Policy("flexicache", budget, 16, 0.375, group_score="mass", bound_shrink=0.5),
+            Policy("quest", budget, group_score="mass", bound_shrink=0.5),
+            Policy("flexicache", budget, group_score="mass"))
+
+
+def qwen_retention_unstable(length: int) -> EvalConfig:
+    """Does retrieval at 1/16 of ``length`` (16k or 32k) hold with the settings that met issue 14's long-generation
+    targets (``select-16k-unstable``: 8-token pages, mass, 37.5 % unstable, shrink 0.5)?  The question after the
+    context, 16 samples a task (``qwen-32k-retention-tuned`` had 8: one multikey sample lost with 25 % unstable and
+    the shrink, by the every-step twin too); ~5 min on an H200 at 32k."""
+    base = qwen_32k() if length == 32768 else qwen_16k()
+    return replace(_later_question(base), name=f"qwen-{length // 1000}k-retention-unstable", samples=16,
+                   budgets=(length // 16,), page_size=8, families=(), task_extra=_retention_rows(length // 16))
+
+
+def retention_shrink_qwen_cpu() -> EvalConfig:
+    """:func:`qwen_retention_unstable`'s question at CPU size: niah_multikey (the task the shrink lost a sample of
+    at 32k) at ~4k tokens, budget 256 (1/16), 8 samples, the question after the context (~50 min on 2 cores)."""
+    return replace(_later_question(_qwen_long(4096, (256,), 8)), name="retention-shrink-qwen-cpu",
+                   tasks=("niah_multikey",), page_size=8, families=(), task_extra=_retention_rows(256))
+
+
 def named_configs() -> dict:
     return {"tiny": tiny, "full": full, "gpu-short": gpu_short, "fidelity-3k": fidelity_3k,
             "profiles-3k": profiles_3k, "sinks-3k": sinks_3k, "recency-8k": recency_8k,
@@ -459,4 +485,7 @@ def named_configs() -> dict:
             "question-in-prompt-cpu": question_in_prompt_cpu,
             "qwen-16k-later-question": lambda: _later_question(qwen_16k()),
             "qwen-32k-later-question": lambda: _later_question(qwen_32k()), "qwen-32k-retention": qwen_32k_retention,
-            "qwen-32k-retention-tuned": qwen_32k_retention_tuned}
+            "qwen-32k-retention-tuned": qwen_32k_retention_tuned,
+            "qwen-16k-retention-unstable": lambda: qwen_retention_unstable(16384),
+            "qwen-32k-retention-unstable": lambda: qwen_retention_unstable(32768),
+            "retention-shrink-qwen-cpu": retention_shrink_qwen_cpu}
