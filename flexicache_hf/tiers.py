@@ -148,13 +148,17 @@ class HostTier:
         elt = torch.finfo(self.dtype).bits // 8
         return self.batch * self.heads * page_capacity * self.page_size * self.head_dim * elt
 
+    def _held(self, page_capacity: int) -> int:
+        """Host bytes one of K / V at ``page_capacity`` pages takes: pinned, the allocator's block (its size
+        rounded up to a power of two), whatever part of it the tier uses."""
+        n = self._bytes(page_capacity)
+        return 1 << (n - 1).bit_length() if self.pinned and n > 0 else n
+
     def capacity_for(self, page_capacity: int) -> int:
         """Pages to allocate for a need of ``page_capacity``: all that fit in the allocator's rounded block."""
         if not self.pinned:
             return page_capacity
-        per_page = self._bytes(1)
-        block = 1 << (self._bytes(page_capacity) - 1).bit_length()  # next power of two
-        return max(page_capacity, block // per_page)
+        return max(page_capacity, self._held(page_capacity) // self._bytes(1))
 
     def _alloc(self, page_capacity: int, batch: int | None = None) -> torch.Tensor:
         batch = self.batch if batch is None else batch
@@ -173,14 +177,16 @@ class HostTier:
             return self.page_capacity
         cap = self.capacity_for(page_capacity)
         limit, other = self.limit_bytes, self._used_elsewhere() - self.nbytes()
-        if limit is not None and 2 * self._bytes(cap) + other > limit:
-            cap = page_capacity  # no rounding headroom under a cap: only what is needed
-            if 2 * self._bytes(cap) + other > limit:
-                need = 2 * self._bytes(cap) + other
-                raise HostMemoryError(
-                    f"the host tier would need {format_bytes(need)}, over host_memory_limit="
-                    f"{format_bytes(limit)}; raise the limit, shorten the prompt, or use "
-                    "FlexiCacheConfig(offload=False) to keep every page on the device")
+        # The cap counts what the allocator holds: a pinned block is the rounded one even when the tier asks
+        # for fewer pages, so the rounding is counted (and used as headroom) whether or not a cap is set.
+        need = 2 * self._held(cap) + other
+        if limit is not None and need > limit:
+            rounded = (" (pinned blocks are rounded up to a power of two)"
+                       if self.pinned and self._held(cap) > self._bytes(page_capacity) else "")
+            raise HostMemoryError(
+                f"the host tier would need {format_bytes(need)}{rounded}, over host_memory_limit="
+                f"{format_bytes(limit)}; raise the limit, shorten the prompt, or use "
+                "FlexiCacheConfig(offload=False) to keep every page on the device")
         return cap
 
     def grow(self, page_capacity: int) -> None:

@@ -7,7 +7,7 @@ from conftest import tiny_config, twin_models
 from flexicache_hf import FlexiCache, HeadProfile
 from flexicache_hf.kernels import REFERENCE_OPS
 from flexicache_hf.pages import num_pages
-from flexicache_hf.tiers import CopyStream, HostTier
+from flexicache_hf.tiers import CopyStream, HostMemoryError, HostTier
 
 FULL = dict(page_size=8, token_budget=4096)
 
@@ -119,3 +119,17 @@ def test_pipeline_sizes_the_cache_and_refuses_a_call_beyond_the_context_up_front
     assert pipe.last_cache.max_tokens == 48 and pipe.last_cache.layers[0].page_capacity == num_pages(48, 16)
     with pytest.raises(ValueError, match="exceeds the model's context of 64"):
         pipe(prompt, max_new_tokens=30, do_sample=False)  # 40 + 30 > 64: refused before the prefill
+
+
+def test_pinned_tier_counts_the_allocators_rounded_block_against_the_cap():
+    per_page = 2 * 3 * 4 * 8 * 4  # bytes of one page of K for every row and head (768)
+    # 6 pages need 2 x 4,608 bytes; torch's pinned allocator holds 2 x 8,192 for them (its blocks are powers of two)
+    for limit, fits in ((2 * 8192, True), (2 * 8192 - 1, False), (2 * 6 * per_page, False)):
+        t = tier(limit=limit)
+        t.pinned = True
+        if fits:
+            assert t.check_grow(6) == 8192 // per_page == 10  # the whole block is used as headroom
+            continue
+        with pytest.raises(HostMemoryError, match=r"need 16,384 bytes \(pinned blocks are rounded up to a power of two\)"):
+            t.grow(6)
+        assert t.page_capacity == 0 and t.k is None  # refused before anything was allocated
