@@ -464,7 +464,7 @@ def qwen_retention_unstable(length: int) -> EvalConfig:
 
 def retention_shrink_qwen_cpu() -> EvalConfig:
     """:func:`qwen_retention_unstable`'s question at CPU size: niah_multikey (the task the shrink lost a sample of
-    at 32k) at ~4k tokens, budget 256 (1/16), 8 samples, the question after the context (~50 min on 2 cores)."""
+    at 32k) at ~4k tokens, budget 256 (1/16), 8 samples, the question after the context (16 min on 2 cores)."""
     return replace(_later_question(_qwen_long(4096, (256,), 8)), name="retention-shrink-qwen-cpu",
                    tasks=("niah_multikey",), page_size=8, families=(), task_extra=_retention_rows(256))
 
