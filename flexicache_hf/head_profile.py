@@ -237,6 +237,16 @@ class HeadProfile:
     def unstable_fraction(self) -> float:
         return len(self.unstable) / (self.model.num_layers * self.model.num_kv_heads)
 
+    def least_stable(self, fraction: float) -> HeadProfile:
+        """This profile re-cut from its measured scores: the ``fraction`` of heads with the lowest TS unstable
+        (e.g. 0.375 instead of the profiler's 0.25; see the README's settings per model).  Raises ProfileError
+        when the profile carries no scores (a published list of heads cannot be re-cut)."""
+        if not self.scores:
+            raise ProfileError("this profile has no per-head scores to re-cut (it lists its unstable heads only); "
+                               "measure one with `python -m flexicache_hf.profile` to choose another fraction")
+        prov = {**self.provenance, "fraction": fraction, "recut_from_fraction": self.unstable_fraction}
+        return HeadProfile.from_scores(self.model, self.scores, fraction, provenance=prov)
+
     def check_model(self, config: Any) -> None:
         """Raise ProfileError unless ``config`` (or a model / ModelIdentity) has this shape."""
         other = _identity(config)

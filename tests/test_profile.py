@@ -82,6 +82,21 @@ def test_from_scores_ranks_and_breaks_ties():
         HeadProfile.from_scores(c, scores, fraction=1.5)
 
 
+def test_least_stable_recuts_a_measured_profile_from_its_scores():
+    c = tiny(layers=2, kv=2)
+    scores = {(0, 0): 0.5, (0, 1): 0.1, (1, 0): 0.7, (1, 1): 0.9}
+    p = HeadProfile.from_scores(c, scores, fraction=0.25, provenance={"kind": "measured"})
+    wider = p.least_stable(0.75)
+    assert p.unstable == {(0, 1)} and wider.unstable == {(0, 1), (0, 0), (1, 0)}
+    assert wider.scores == scores and wider.provenance["kind"] == "measured"
+    assert wider.provenance["fraction"] == 0.75 and wider.provenance["recut_from_fraction"] == 0.25
+    assert wider.least_stable(0.25).unstable == p.unstable  # the same cut whatever it was cut from
+    with pytest.raises(ProfileError, match="no per-head scores"):
+        HeadProfile.from_unstable(c, [(0, 1)]).least_stable(0.5)
+    with pytest.raises(ProfileError, match="fraction"):
+        p.least_stable(2.0)
+
+
 def test_save_load_round_trip(tmp_path):
     p = HeadProfile.from_scores(tiny(), {(l, h): l + h / 10 for l in range(4) for h in range(2)},
                                 provenance={"kind": "measured", "tokens": [1, 2]})

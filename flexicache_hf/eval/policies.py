@@ -112,8 +112,7 @@ class ProfileSource:
                 measured = None
         if measured is not None and measured.scores:
             self.used[fraction] = f"measured {self.name} (scores -> least-stable {fraction:.0%})"
-            return HeadProfile.from_scores(self.model_config, measured.scores, fraction,
-                                           provenance={"kind": "eval", "from": self.name})
+            return measured.least_stable(fraction)
         if measured is not None:
             self.used[fraction] = f"measured {self.name} (its own set; no scores to re-cut)"
             return measured
