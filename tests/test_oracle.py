@@ -296,3 +296,13 @@ def test_retention_grids_with_the_long_generation_settings():
     cpu = cfgs["retention-shrink-qwen-cpu"]()
     assert cpu.tasks == ("niah_multikey",) and cpu.task_length < 4096 and cpu.question_after_context
     assert [p.label for p in cpu.task_policies()] == ["dense"] + [w.format(b=256) for w in want]
+
+
+def test_profile_grid_with_the_recommended_qwen_setting():
+    c = named_configs()["profiles-qwen-cpu-recommended"]()
+    assert c.model == "qwen2.5-coder-0.5b" and c.page_size == 8 and c.fidelity_prompt == 4096
+    assert [p.label for p in c.fidelity_policies()] == ["dense"] + [
+        f"flexicache-R16-u38{k}-mass-shrink0.5@{b}" for b in (256, 512) for k in ("", "-random")]
+    r = named_configs()["select-16k-unstable-random"]()
+    assert r.page_size == 8 and r.fidelity_prompt == 16384 and [p.label for p in r.fidelity_policies()] == ["dense"] + [
+        f"flexicache-R16-u38-random-mass-shrink0.5@{b}" for b in (2048, 1024)]
