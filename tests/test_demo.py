@@ -10,3 +10,10 @@ def test_demo_reports_savings_and_its_selection_options(capsys):
     assert report["device_bytes"] < report["dense_bytes"]  # 128 of ~600 tokens on the device for stable heads
     assert report["pages_per_head_step"] == 128 // 16
     assert "1 sink + 2 recent pages kept" in capsys.readouterr().out
+
+
+def test_demo_agreement_with_a_budget_covering_every_page_is_exact(capsys):
+    report = demo.main(["--prompt-tokens", "400", "--new-tokens", "8", "--budget", "1024"])
+    n = report["new_tokens"]
+    assert report["teacher_forced_top1"] == 1.0 and report["greedy_agreement_tokens"] == n
+    assert f"free-running, the first {n} of {n} tokens are identical" in capsys.readouterr().out
