@@ -20,7 +20,7 @@ from .cache import FlexiCache
 from .config import FlexiCacheConfig
 from .corpus import REFERENCE
 from .data import build_prompt, documents_by_source
-from .eval.decoding import teacher_forced
+from .eval.fidelity import Reference, score
 from .head_profile import resolve_profile
 from .hf_compat import generate_cache_kwarg
 from .models import load_default_model
@@ -91,10 +91,11 @@ def main(argv=None) -> dict:
         diff = (dense[:n] != new[:n]).nonzero()
         report["greedy_agreement_tokens"] = int(diff[0, 0]) if diff.numel() else n
         # Free-running outputs part at their first different token and never meet again; the fair per-step
-        # figure feeds FlexiCache dense's own tokens and counts the steps where it predicts dense's next one.
-        forced = FlexiCache(profile, cfg, model_config=model.config)
-        _, argmax = teacher_forced(model, ids, [dense.tolist()], forced)
-        report["teacher_forced_top1"] = sum(a == b for a, b in zip(argmax[0], dense.tolist())) / len(dense)
+        # figure feeds FlexiCache dense's own tokens and counts the steps where it predicts dense's next one
+        # (the eval's fidelity score; doc_index -1: the demo's document is no corpus row).
+        forced = score(model, [Reference(doc_index=-1, prompt=ids, continuation=dense.tolist())],
+                       lambda: FlexiCache(profile, cfg, model_config=model.config), free_run=False)
+        report["teacher_forced_top1"] = forced[0]["top1_agreement"]
 
     print("\n--- what FlexiCache did " + "-" * 48)
     print(f"document            {report['document']!r}")

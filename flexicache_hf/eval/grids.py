@@ -470,14 +470,14 @@ def _retention_rows(budget: int) -> tuple[Policy, ...]:
             Policy("flexicache", budget, group_score="mass"))
 
 
-def qwen_retention_unstable(length: int) -> EvalConfig:
-    """Does retrieval at 1/16 of ``length`` (16k or 32k) hold with the settings that met issue 14's long-generation
-    targets (``select-16k-unstable``: 8-token pages, mass, 37.5 % unstable, shrink 0.5)?  The question after the
-    context, 16 samples a task (``qwen-32k-retention-tuned`` had 8: one multikey sample lost with 25 % unstable and
-    the shrink, by the every-step twin too); ~5 min on an H200 at 32k."""
-    base = qwen_32k() if length == 32768 else qwen_16k()
-    return replace(_later_question(base), name=f"qwen-{length // 1000}k-retention-unstable", samples=16,
-                   budgets=(length // 16,), page_size=8, families=(), task_extra=_retention_rows(length // 16))
+def qwen_retention_unstable(base: EvalConfig) -> EvalConfig:
+    """Does retrieval at 1/16 of ``base``'s length (``qwen_16k()`` or ``qwen_32k()``) hold with the settings that
+    met issue 14's long-generation targets (``select-16k-unstable``: 8-token pages, mass, 37.5 % unstable, shrink
+    0.5)?  The question after the context, 16 samples a task (``qwen-32k-retention-tuned`` had 8: one multikey
+    sample lost with 25 % unstable and the shrink, by the every-step twin too); ~5 min on an H200 at 32k."""
+    budget = base.fidelity_prompt // 16
+    return replace(_later_question(base), name=f"{base.name}-retention-unstable", samples=16, budgets=(budget,),
+                   page_size=8, families=(), task_extra=_retention_rows(budget))
 
 
 def retention_shrink_qwen_cpu() -> EvalConfig:
@@ -504,8 +504,8 @@ def named_configs() -> dict:
             "qwen-16k-later-question": lambda: _later_question(qwen_16k()),
             "qwen-32k-later-question": lambda: _later_question(qwen_32k()), "qwen-32k-retention": qwen_32k_retention,
             "qwen-32k-retention-tuned": qwen_32k_retention_tuned,
-            "qwen-16k-retention-unstable": lambda: qwen_retention_unstable(16384),
-            "qwen-32k-retention-unstable": lambda: qwen_retention_unstable(32768),
+            "qwen-16k-retention-unstable": lambda: qwen_retention_unstable(qwen_16k()),
+            "qwen-32k-retention-unstable": lambda: qwen_retention_unstable(qwen_32k()),
             "retention-shrink-qwen-cpu": retention_shrink_qwen_cpu,
             "profiles-qwen-cpu-recommended": profiles_qwen_cpu_recommended,
             "select-16k-unstable-random": select_16k_unstable_random}
