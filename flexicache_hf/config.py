@@ -44,6 +44,14 @@ class FlexiCacheConfig:
             the paper.  An offline study recovered more of the exact attention mass at ``λ = 0.5`` on
             Qwen2.5-Coder-0.5B (``docs/benchmarks/NOTES.md``); at 16k on that model ``0.5`` takes FlexiCache from
             1.115 to 1.051 x dense NLL at budget 2048 (``docs/benchmarks/accuracy.md``).
+        unstable_group_score: ``group_score`` for the unstable heads only (``None``: the same as the stable
+            heads').  Unstable heads are the ones whose top pages jump between steps, the content lookups that a
+            needle question leans on; there the needle's page can rank far lower under ``"mass"`` and a shrunk box
+            than under the group maximum of the full bound (``docs/benchmarks/accuracy.md``, "Which heads lose the
+            needle").  ``unstable_group_score="max", unstable_bound_shrink=1.0`` gives them the paper's bound while
+            the stable heads keep ``group_score`` / ``bound_shrink``.
+        unstable_bound_shrink: ``bound_shrink`` for the unstable heads only (``None``: the same as the stable
+            heads').
         stagger_reranks: ``False`` (the paper): every layer's stable heads re-rank on the same steps ``R, 2R,
             ...``, so every R-th step promotes all layers' new pages at once.  ``True``: layer ``l`` re-ranks them
             on the steps ``s ≡ l (mod R)``, ``s > 0``, so each step promotes ~1/R of the pages: the same interval per
@@ -61,6 +69,8 @@ class FlexiCacheConfig:
     group_score: str = "max"
     stagger_reranks: bool = False
     bound_shrink: float = 1.0
+    unstable_group_score: str | None = None
+    unstable_bound_shrink: float | None = None
 
     def __post_init__(self) -> None:
         ps = self.page_size
@@ -86,15 +96,32 @@ class FlexiCacheConfig:
                 f"sink_pages + recent_pages ({self.sink_pages} + {self.recent_pages}) must leave room in the budget "
                 f"of {tb // ps} pages for pages chosen by score"
             )
-        if self.group_score not in GROUP_SCORES:
-            raise ConfigError(f"group_score must be one of {GROUP_SCORES}, got {self.group_score!r}")
-        lam = self.bound_shrink
-        if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not 0 <= lam <= 1:
-            raise ConfigError(f"bound_shrink must be a number in [0, 1], got {lam!r}")
-        object.__setattr__(self, "bound_shrink", float(lam))
+        for name, optional in (("group_score", False), ("unstable_group_score", True)):
+            v = getattr(self, name)
+            if not (optional and v is None) and v not in GROUP_SCORES:
+                raise ConfigError(f"{name} must be one of {GROUP_SCORES}{' or None' if optional else ''}, got {v!r}")
+        for name, optional in (("bound_shrink", False), ("unstable_bound_shrink", True)):
+            lam = getattr(self, name)
+            if optional and lam is None:
+                continue
+            if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not 0 <= lam <= 1:
+                raise ConfigError(f"{name} must be a number in [0, 1]{' or None' if optional else ''}, got {lam!r}")
+            object.__setattr__(self, name, float(lam))
         cap = self.host_memory_limit
         if cap is not None and (not _is_int(cap) or cap < 0):
             raise ConfigError(f"host_memory_limit must be None or a non-negative number of bytes, got {cap!r}")
+
+    @property
+    def stable_scoring(self) -> tuple[str, float]:
+        """``(group_score, bound_shrink)`` the stable heads rank their pages by."""
+        return self.group_score, self.bound_shrink
+
+    @property
+    def unstable_scoring(self) -> tuple[str, float]:
+        """``(group_score, bound_shrink)`` the unstable heads rank their pages by (the stable heads' where the
+        ``unstable_*`` fields are ``None``)."""
+        g, lam = self.unstable_group_score, self.unstable_bound_shrink
+        return (self.group_score if g is None else g), (self.bound_shrink if lam is None else lam)
 
     @property
     def budget_pages(self) -> int:

@@ -58,15 +58,21 @@ class Reranker:
 
     def __init__(self, batch: int, num_kv_heads: int, unstable: tuple[int, ...], budget_pages: int,
                  max_recent: int, device: torch.device, sink_pages: int = 0, recent_pages: int = 0,
-                 group_score: str = "max", bound_shrink: float = 1.0):
+                 stable_scoring: tuple[str, float] = ("max", 1.0),
+                 unstable_scoring: tuple[str, float] | None = None):
         self.budget_pages, self.max_recent = budget_pages, max_recent
-        self.group_score, self.bound_shrink = group_score, bound_shrink
+        # (group_score, bound_shrink) per kind of head (FlexiCacheConfig.stable_scoring / unstable_scoring)
+        self.stable_scoring = tuple(stable_scoring)
+        self.unstable_scoring = self.stable_scoring if unstable_scoring is None else tuple(unstable_scoring)
         self.sink_pages, self.recent_pages = sink_pages, recent_pages
         self.unstable_host = tuple(unstable)
         self.num_stable = num_kv_heads - len(unstable)
         self.all_heads = torch.arange(num_kv_heads, device=device)
         self.stable_heads = torch.tensor([h for h in range(num_kv_heads) if h not in set(unstable)],
                                          dtype=torch.long, device=device)
+        self.unstable_heads = torch.tensor(sorted(unstable), dtype=torch.long, device=device)
+        # One scoring call for every head unless both kinds exist and score differently.
+        self.split_scoring = (self.stable_scoring != self.unstable_scoring and 0 < len(unstable) < num_kv_heads)
         self.is_stable = torch.ones(num_kv_heads, dtype=torch.bool, device=device)
         self.is_stable[list(unstable)] = False
         self.recent_offsets = 1 + torch.arange(max_recent, device=device)  # pages after the anchor
@@ -75,7 +81,8 @@ class Reranker:
         self.reranks = torch.zeros(num_kv_heads, dtype=torch.long, device=device)  # per-head re-rank count
 
     def buffers(self) -> list[torch.Tensor]:
-        return [self.all_heads, self.stable_heads, self.is_stable, self.recent_offsets, self.selected, self.reranks]
+        return [self.all_heads, self.stable_heads, self.unstable_heads, self.is_stable, self.recent_offsets,
+                self.selected, self.reranks]
 
     def clear(self) -> None:
         """No page selected, no re-rank counted (in place)."""
@@ -94,7 +101,16 @@ class Reranker:
         store their top-K in ``selected``; returns the scores ``[B, H, P_cap]`` (-inf past ``num_pages`` and
         on heads not due); ``scale`` is the attention's softmax scale (``group_score="mass"``)."""
         active = ~self.is_stable | due
-        scores = self._scores(ops, query, kmin, kmax, self.all_heads, num_pages, active, scale)
+        if self.split_scoring:  # each kind of head by its own scoring, into one [B, H, P_cap] row per head
+            s_st = self._scores(ops, query, kmin, kmax, self.stable_heads, num_pages, active[self.stable_heads],
+                                scale, self.stable_scoring)
+            s_un = self._scores(ops, query, kmin, kmax, self.unstable_heads, num_pages,
+                                active[self.unstable_heads], scale, self.unstable_scoring)
+            scores = s_st.new_empty((s_st.shape[0], self.is_stable.numel(), s_st.shape[2]))
+            scores.index_copy_(1, self.stable_heads, s_st).index_copy_(1, self.unstable_heads, s_un)
+        else:
+            scores = self._scores(ops, query, kmin, kmax, self.all_heads, num_pages, active, scale,
+                                  self.unstable_scoring if self.num_stable == 0 else self.stable_scoring)
         ops.select_pages(scores, self.budget_pages, num_pages=num_pages, active=active, out=self.selected)
         self.reranks.add_(active)
         return scores
@@ -105,15 +121,17 @@ class Reranker:
         as their selection (their re-rank for step 0: the schedule's next one for them is R steps or their
         staggered phase later); returns it, ``[B, num_stable, K]``."""
         heads = self.stable_heads
-        wanted = ops.select_pages(self._scores(ops, query, kmin, kmax, heads, num_pages, None, scale),
-                                  self.budget_pages)
+        wanted = ops.select_pages(self._scores(ops, query, kmin, kmax, heads, num_pages, None, scale,
+                                               self.stable_scoring), self.budget_pages)
         self.selected.index_copy_(1, heads, wanted)
         return wanted
 
-    def _scores(self, ops: KernelOps, query, kmin, kmax, heads, num_pages, active, scale) -> torch.Tensor:
-        """The page scores this layer ranks by: the bound combined as ``group_score`` says, forced pages +inf."""
-        scores = ops.page_scores(query, kmin, kmax, heads, num_pages, active, self.group_score, scale,
-                                 self.bound_shrink)
+    def _scores(self, ops: KernelOps, query, kmin, kmax, heads, num_pages, active, scale,
+                scoring: tuple[str, float]) -> torch.Tensor:
+        """The page scores ``heads`` rank by: the bound combined and shrunk as ``scoring`` (group_score,
+        bound_shrink) says, forced pages +inf."""
+        group_score, shrink = scoring
+        scores = ops.page_scores(query, kmin, kmax, heads, num_pages, active, group_score, scale, shrink)
         return force_pages(scores, num_pages, self.sink_pages, self.recent_pages)
 
     def attend_list(self, newest: torch.Tensor, anchor: torch.Tensor, due: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,9 @@ def gen(model, ids, cache, n=4, **kw):
     (dict(bound_shrink=-0.1), "bound_shrink must be a number in"),
     (dict(bound_shrink=float("nan")), "bound_shrink must be a number in"),
     (dict(bound_shrink=True), "bound_shrink must be a number in"),
+    (dict(unstable_group_score="sum"), "unstable_group_score must be one of"),
+    (dict(unstable_bound_shrink=1.5), "unstable_bound_shrink must be a number in"),
+    (dict(unstable_bound_shrink="0.5"), "unstable_bound_shrink must be a number in"),
 ])
 def test_bad_config_values(fields, match):
     with pytest.raises(ConfigError, match=match):

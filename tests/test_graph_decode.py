@@ -91,6 +91,22 @@ def test_compiled_decode_with_group_mass_equals_eager(setup):
     assert not torch.equal(sel(by_max), sel(eager_cache))
 
 
+def test_compiled_decode_with_a_rule_per_kind_of_head_equals_eager(setup):
+    """Unstable heads by the group maximum of the full bound, stable ones by the mass of a shrunk box, inside the
+    compiled step: the same tokens and counters as eagerly."""
+    cfg, fc, _, ids, mask = setup
+    prof = HeadProfile.from_unstable(cfg, [(0, 1), (1, 0)])
+    make = lambda: FlexiCache(prof, page_size=4, token_budget=12, rerank_interval=5, group_score="mass",  # noqa: E731
+                              bound_shrink=0.5, unstable_group_score="max", unstable_bound_shrink=1.0,
+                              max_cache_len=37 + 24)
+    eager_cache = make()
+    eager = run(fc, ids, mask, eager_cache, 24, compiled=False)
+    assert eager_cache.layers[0].reranker.split_scoring
+    cache = make()
+    assert torch.equal(run(fc, ids, mask, cache, 24, compiled=True), eager)
+    assert cache.stats == eager_cache.stats
+
+
 def test_compiled_decode_with_a_shrunk_bound_equals_eager(setup):
     """bound_shrink=0.5 reaches the compiled step's page scores: the same tokens as eagerly, and a selection of
     its own (not the bound's)."""

@@ -240,16 +240,19 @@ else:
             torch.testing.assert_close(ref[fin], want[fin], rtol=1e-5, atol=1e-4)
         assert not torch.equal(ref, R.page_scores(q, kmin, kmax, heads, n, None, combine, 0.125))
 
+    def decode_step_scores_inputs(seed: int, B=2, H=4, ps=16, L=150, D=64):
+        """A decode step's page-score inputs: fp16 MinMax cache with spare capacity (a left-padded row), queries
+        of 2 heads per KV head, the page count as a device tensor."""
+        torch.manual_seed(seed)
+        kmin, kmax = make_minmax(B, H, L // ps + 6, D, torch.float16)
+        R.minmax_update(kmin, kmax, torch.randn(B, H, L, D).half(), 0, torch.tensor([0, 40]), ps)
+        return torch.randn(B, H * 2, D).half(), kmin, kmax, torch.tensor([L // ps + 1])
+
     @pytest.mark.parametrize("combine", ["max", "mass"])
     def test_page_scores_device_count_and_active_heads(combine):
         """The decode step's form: the page count read on the device, every head, only the due ones scored."""
-        torch.manual_seed(4)
-        B, H, ps, L, D = 2, 4, 16, 150, 64
-        cap = L // ps + 6
-        kmin, kmax = make_minmax(B, H, cap, D, torch.float16)
-        R.minmax_update(kmin, kmax, torch.randn(B, H, L, D).half(), 0, torch.tensor([0, 40]), ps)
-        q = torch.randn(B, H * 2, D).half()
-        n = torch.tensor([L // ps + 1])
+        q, kmin, kmax, n = decode_step_scores_inputs(4)
+        B, H, cap = kmin.shape[0], kmin.shape[1], kmin.shape[2]
         active = torch.tensor([True, False, True, False])
         ours = page_scores(q, kmin, kmax, torch.arange(H), n, active, combine)
         ref = R.page_scores(q, kmin, kmax, torch.arange(H), n, active, combine)
@@ -258,6 +261,27 @@ else:
         assert bool(torch.isneginf(ours[:, ~active]).all()) and bool(torch.isneginf(ours[:, :, int(n):]).all())
         fin = torch.isfinite(ref)
         torch.testing.assert_close(ours[fin], ref[fin], rtol=1e-5, atol=1e-4)
+
+    def test_rerank_with_a_rule_per_kind_of_head_matches_reference():
+        """The Reranker's split scoring (unstable heads by the full bound's group maximum, stable ones by the mass
+        of a shrunk box) on the Triton kernels: the same scores and the same selection as on the reference's."""
+        from flexicache_hf.kernels import REFERENCE_OPS
+        from flexicache_hf.kernels.gpu import GPU_OPS
+        from flexicache_hf.rerank import Reranker
+
+        q, kmin, kmax, n = decode_step_scores_inputs(5)
+        B, H = kmin.shape[0], kmin.shape[1]
+        got = []
+        for ops in (GPU_OPS, REFERENCE_OPS):
+            r = Reranker(B, H, (1, 2), 4, 1, torch.device("cpu"), stable_scoring=("mass", 0.5),
+                         unstable_scoring=("max", 1.0))
+            scores = r.rerank(ops, q, kmin, kmax, n, due=torch.tensor(True), scale=0.125)
+            got.append((scores, r.selected.clone()))
+        (ours, ours_sel), (ref, ref_sel) = got
+        assert torch.equal(torch.isneginf(ours), torch.isneginf(ref))
+        fin = torch.isfinite(ref)
+        torch.testing.assert_close(ours[fin], ref[fin], rtol=1e-5, atol=1e-4)
+        assert torch.equal(ours_sel, ref_sel)
 
     def test_select_pages_in_place_for_active_rows():
         torch.manual_seed(5)

@@ -480,6 +480,71 @@ def qwen_retention_unstable(base: EvalConfig) -> EvalConfig:
                    page_size=8, families=(), task_extra=_retention_rows(budget))
 
 
+def qwen_16k_retention() -> EvalConfig:
+    """Issue 14's retrieval target at 16k with 16 samples a task (``qwen-16k-later-question`` had 4): the question
+    after the context, budget 1024 (1/16), every family with the paper's settings (16-token pages, group
+    maximum, 25 % unstable, R16) beside Quest-like and the eviction baselines; ~4 min on an H200."""
+    return replace(_later_question(qwen_16k()), name="qwen-16k-retention", samples=16, budgets=(1024,))
+
+
+def qwen_16k_retention_oracle() -> EvalConfig:
+    """niah_multikey at 1/16 of 16k, 16 samples, 8-token pages (``qwen-16k-retention-unstable``'s samples): the
+    oracle (exact attention mass of the current query, same budget) and Quest's bound with the group mass through
+    the same reference path.  Every 8-token row of ``qwen-16k-retention-unstable`` lost one sample dense answers:
+    if the oracle keeps it, the bound's ranking loses it; if not, the budget does."""
+    return replace(qwen_retention_unstable(qwen_16k()), name="qwen-16k-retention-oracle", tasks=("niah_multikey",),
+                   task_extra=(Policy("oracle", 1024), Policy("quest-ref", 1024, group_score="mass")))
+
+
+def qwen_32k_retention_multikey() -> EvalConfig:
+    """:func:`qwen_32k_retention`'s multikey task with 16 samples (8 before), FlexiCache with the paper's settings
+    only: does its 100 % hold on twice the samples?  ~2 min on an H200."""
+    return replace(qwen_32k_retention(), name="qwen-32k-retention-multikey", samples=16, tasks=("niah_multikey",),
+                   families=("flexicache",))
+
+
+def _split_rows(budget: int, fraction: float = 0.375) -> tuple[Policy, ...]:
+    """FlexiCache with a rule per kind of head at one budget: the stable heads by the mass of a box shrunk by
+    half (the long-generation setting), the unstable ones (the least-stable ``fraction``, re-ranked every step)
+    by the paper's bound, the group maximum of the full box; then its every-step twin (R = 1: every head
+    re-ranked every step, each by its own rule)."""
+    rule = dict(group_score="mass", bound_shrink=0.5, unstable_scoring=("max", 1.0))
+    return (Policy("flexicache", budget, 16, fraction, **rule), Policy("flexicache", budget, 1, fraction, **rule))
+
+
+def split_qwen_cpu() -> EvalConfig:
+    """``profiles-qwen-cpu-recommended``'s documents (2 x 4,096 prompt tokens + 32 dense tokens, teacher-forced,
+    8-token pages) at budgets 256 (1/16) and 512 (1/8): the README's long-output setting (37.5 % unstable, mass,
+    shrink 0.5 for every head) beside the same with the unstable heads ranked by the paper's bound, and that
+    split with 25 % unstable (~15 min on 2 cores).  Does giving the needle-seeking heads the full bound cost
+    long-generation fidelity?"""
+    extra = []
+    for b in (256, 512):
+        extra += [Policy("flexicache", b, 16, 0.375, group_score="mass", bound_shrink=0.5), _split_rows(b)[0],
+                  _split_rows(b, 0.25)[0]]
+    return replace(profiles_qwen_cpu(), name="split-qwen-cpu", page_size=8, fidelity_extra=tuple(extra))
+
+
+def select_16k_split() -> EvalConfig:
+    """``select-16k-unstable``'s documents (8 x 16,384 prompt tokens + 256 dense tokens, teacher-forced, 8-token
+    pages) with the unstable heads ranked by the paper's bound (:func:`_split_rows`) at 2048 and 1024, each beside
+    its every-step twin, then the split with 25 % unstable (fewer heads on the full bound) at both budgets: issue
+    14's long-generation targets for the split rule (~4.5 min on an H200)."""
+    return replace(select_16k(), name="select-16k-split", page_size=8,
+                   fidelity_extra=_split_rows(2048) + _split_rows(1024)
+                   + tuple(_split_rows(b, 0.25)[0] for b in (2048, 1024)))
+
+
+def qwen_retention_split(base: EvalConfig) -> EvalConfig:
+    """:func:`qwen_retention_unstable`'s samples (16 a task, the question after the context, 1/16 of the length,
+    8-token pages) for the split rule (:func:`_split_rows`) with 37.5 % and with 25 % unstable: does the paper's
+    bound on the unstable heads keep the multikey needles the shrunk mass lost (16k sample 12, 32k sample 4)?  The
+    retrieval heads that lost them (layers 9 and 11, KV head 1) are unstable at both fractions."""
+    budget = base.fidelity_prompt // 16
+    return replace(qwen_retention_unstable(base), name=f"{base.name}-retention-split",
+                   task_extra=tuple(_split_rows(budget, f)[0] for f in (0.375, 0.25)))
+
+
 def retention_shrink_qwen_cpu() -> EvalConfig:
     """:func:`qwen_retention_unstable`'s question at CPU size: niah_multikey (the task the shrink lost a sample of
     at 32k) at ~4k tokens, budget 256 (1/16), 8 samples, the question after the context (16 min on 2 cores)."""
@@ -507,5 +572,10 @@ def named_configs() -> dict:
             "qwen-16k-retention-unstable": lambda: qwen_retention_unstable(qwen_16k()),
             "qwen-32k-retention-unstable": lambda: qwen_retention_unstable(qwen_32k()),
             "retention-shrink-qwen-cpu": retention_shrink_qwen_cpu,
+            "qwen-16k-retention": qwen_16k_retention, "qwen-16k-retention-oracle": qwen_16k_retention_oracle,
+            "qwen-32k-retention-multikey": qwen_32k_retention_multikey,
+            "split-qwen-cpu": split_qwen_cpu, "select-16k-split": select_16k_split,
+            "qwen-16k-retention-split": lambda: qwen_retention_split(qwen_16k()),
+            "qwen-32k-retention-split": lambda: qwen_retention_split(qwen_32k()),
             "profiles-qwen-cpu-recommended": profiles_qwen_cpu_recommended,
             "select-16k-unstable-random": select_16k_unstable_random}

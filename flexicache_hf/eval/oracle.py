@@ -119,6 +119,7 @@ class OracleLayer(DynamicLayer):
         self.last = None  # the last decode step: {"pages", "scores", "mass"} (tests, diagnostics)
         self.mass_sum = None  # [B] sum over decode steps and query heads of the attended fraction of the mass
         self.mass_count = 0  # decode steps x query heads summed into mass_sum
+        self.keep_query = False  # also keep the last decode step's query and scale in ``last`` (needle_ranks)
 
     def _length_after(self, query_length: int) -> int:
         return self.get_seq_length() + query_length
@@ -149,6 +150,8 @@ class OracleLayer(DynamicLayer):
                                                              self.config.bound_shrink)
         pages = select(scores, self.config.budget_pages, self.config.sink_pages, self.config.recent_pages)
         self._record(pages, scores, mass, group=q.shape[1] // keys.shape[1])
+        if self.keep_query:
+            self.last.update(query=q, scale=scale)
         idx = gather_index(pages, L, ps)[..., None].expand(-1, -1, -1, keys.shape[-1])
         return keys.gather(2, idx), values.gather(2, idx)
 

@@ -43,6 +43,9 @@ class Policy:
     recent_pages: int = 0  # PAGED_FAMILIES only: newest pages kept by every re-rank
     group_score: str = "max"  # BOUND_FAMILIES only: FlexiCacheConfig.group_score (how a GQA group ranks pages)
     bound_shrink: float = 1.0  # BOUND_FAMILIES only: FlexiCacheConfig.bound_shrink (the half-range's weight)
+    # FlexiCache only: the unstable heads' own (group_score, bound_shrink) (FlexiCacheConfig.unstable_*); None: the
+    # same as the stable heads'
+    unstable_scoring: tuple[str, float] | None = None
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -57,6 +60,9 @@ class Policy:
             raise ValueError(f"group_score applies to {BOUND_FAMILIES} only, not {self.family!r}")
         if self.bound_shrink != 1.0 and self.family not in BOUND_FAMILIES:
             raise ValueError(f"bound_shrink applies to {BOUND_FAMILIES} only, not {self.family!r}")
+        if self.unstable_scoring is not None and self.family != "flexicache":
+            raise ValueError(f"unstable_scoring applies to flexicache only (its profile has stable heads), "
+                             f"not {self.family!r}")
 
     @property
     def label(self) -> str:
@@ -67,6 +73,8 @@ class Policy:
         forced = f"-sink{self.sink_pages}-recent{self.recent_pages}" if self.sink_pages or self.recent_pages else ""
         forced += f"-{self.group_score}" if self.group_score != "max" else ""
         forced += f"-shrink{self.bound_shrink:g}" if self.bound_shrink != 1.0 else ""
+        if self.unstable_scoring is not None:
+            forced += "-unstable-{}-shrink{:g}".format(*self.unstable_scoring)
         if self.family == "flexicache":
             tag = "-random" if self.profile == "random" else ""
             return f"flexicache-R{self.rerank_interval}-u{round(100 * self.unstable_fraction)}{tag}{forced}@{budget}"
@@ -120,6 +128,14 @@ class ProfileSource:
         return HeadProfile.random(self.model_config, fraction, seed=self.seed)
 
 
+def _unstable_fields(scoring: tuple[str, float] | None) -> dict:
+    """FlexiCacheConfig's ``unstable_*`` fields from a policy's ``unstable_scoring`` (none when unset)."""
+    if scoring is None:
+        return {}
+    group_score, shrink = scoring
+    return {"unstable_group_score": group_score, "unstable_bound_shrink": shrink}
+
+
 def make_cache(policy: Policy, model_config, context: int, profiles: ProfileSource, *, page_size: int = 16,
                kernels: str | None = None):
     """A fresh cache implementing ``policy`` for one sample of ``context`` prompt tokens.
@@ -139,7 +155,8 @@ def make_cache(policy: Policy, model_config, context: int, profiles: ProfileSour
         prof = HeadProfile.all_unstable(model_config) if quest else profiles.profile(policy.unstable_fraction, policy.profile)
         cfg = FlexiCacheConfig(page_size=page_size, token_budget=budget, rerank_interval=policy.rerank_interval,
                                offload=not quest, sink_pages=policy.sink_pages, recent_pages=policy.recent_pages,
-                               group_score=policy.group_score, bound_shrink=policy.bound_shrink)
+                               group_score=policy.group_score, bound_shrink=policy.bound_shrink,
+                               **_unstable_fields(policy.unstable_scoring))
         return FlexiCache(prof, cfg, model_config=model_config, kernels=kernels)
     if policy.family in ("oracle", "quest-ref"):
         cfg = FlexiCacheConfig(page_size=page_size, token_budget=budget, sink_pages=policy.sink_pages,

@@ -78,8 +78,12 @@ def check_graph_equals_eager(model, ids, mask, profile, budget, new, **cfg):
     return stats2
 
 
-@pytest.mark.parametrize("offload,stagger", [(True, False), (False, False), (True, True)])
-def test_tiny_llama_graph_equals_eager(offload, stagger):
+SPLIT = dict(group_score="mass", bound_shrink=0.5, unstable_group_score="max", unstable_bound_shrink=1.0)
+
+
+@pytest.mark.parametrize("offload,stagger,scoring", [(True, False, {}), (False, False, {}), (True, True, {}),
+                                                     (True, False, SPLIT)])
+def test_tiny_llama_graph_equals_eager(offload, stagger, scoring):
     cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
                       pad_token_id=0)
@@ -88,7 +92,7 @@ def test_tiny_llama_graph_equals_eager(offload, stagger):
     ids, mask = left_padded(torch.randint(2, 90, (2, 300), device="cuda"), 0, 17)
     prof = HeadProfile.from_unstable(cfg, [(0, 1)])
     check_graph_equals_eager(model, ids, mask, prof, 64, 80, page_size=16, rerank_interval=8, offload=offload,
-                             stagger_reranks=stagger)
+                             stagger_reranks=stagger, **scoring)
 
 
 @pytest.fixture(scope="module")
