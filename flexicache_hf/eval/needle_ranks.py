@@ -2,11 +2,12 @@
 
 One retrieval sample (a ``flexicache_hf.eval.tasks`` task, the question after the context) is run densely (the
 oracle cache with a budget covering every page, so every head attends everything) up to the decode step that
-writes the answer's first token (the first one with a letter or digit, whether dense answers right or not).  At that step, for every KV head that puts at least ``min_mass`` of its group's
-exact attention on the page holding the answer, it reports the page's rank (0 = first) by the exact mass and by
-each scoring rule FlexiCache has -- the group maximum of Quest's bound (the paper's), the group mass, the mass of a
-shrunk box -- and by the split rule (the unstable heads of a profile by one rule, the stable heads by another).
-A rank at or past the budget's page count means that rule's top-K leaves the answer out of that head.
+writes the answer's first token (the first one with a letter or digit, whether dense answers right or not).  At
+that step, for every KV head that puts at least ``min_mass`` of its group's exact attention on the page holding
+the answer, it reports the page's rank (0 = first) by the exact mass and by each scoring rule FlexiCache has --
+the group maximum of Quest's bound (the paper's) and the group mass, each over the full key box and the box shrunk
+by half -- and by the split rule (the unstable heads of a profile by one rule, the stable heads by another).  A
+rank at or past the budget's page count means that rule's top-K leaves the answer out of that head.
 
     python -m flexicache_hf.eval.needle_ranks --model qwen2.5-coder-0.5b --task niah_multikey --length 16184 \\
         --index 12 --budget 1024 --page-size 8 --unstable-fraction 0.375 --out OUT
@@ -31,7 +32,8 @@ from .oracle import oracle_cache, page_bound, page_mass
 from .query_capture import capture_queries
 from .tasks import encode_text, make_samples, render_split
 
-RULES = {"max": ("max", 1.0), "mass": ("mass", 1.0), "mass-shrink0.5": ("mass", 0.5)}  # (group_score, shrink)
+RULES = {"max": ("max", 1.0), "max-shrink0.5": ("max", 0.5), "mass": ("mass", 1.0),
+         "mass-shrink0.5": ("mass", 0.5)}  # name: (group_score, bound_shrink)
 
 
 def answer_token(ids: list[int], tokenizer, answer: str) -> int:
