@@ -212,7 +212,8 @@ class FlexiCacheLayer(CacheLayerMixin):
                              cfg.host_memory_limit, _HostBytesOf(self.owner), self.copies, self.ops)
         self.slots = SlotTable(self.pool, self.device)
         self.reranker = Reranker(B, H, unstable, cfg.budget_pages, cfg.max_recent_pages, self.device,
-                                 cfg.sink_pages, cfg.recent_pages, cfg.stable_scoring, cfg.unstable_scoring)
+                                 cfg.sink_pages, cfg.recent_pages, stable_scoring=cfg.stable_scoring,
+                                 unstable_scoring=cfg.unstable_scoring)
         self.state = self.owner.decode_state(self.device)  # shared by every layer on this device (the schedule)
         self.states = self.owner.states  # every device's (layer 0 advances them all; a dict: no reference cycle)
         self.count_pages = self.owner.count_pages

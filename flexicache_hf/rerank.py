@@ -57,13 +57,11 @@ class Reranker:
     """
 
     def __init__(self, batch: int, num_kv_heads: int, unstable: tuple[int, ...], budget_pages: int,
-                 max_recent: int, device: torch.device, sink_pages: int = 0, recent_pages: int = 0,
-                 stable_scoring: tuple[str, float] = ("max", 1.0),
-                 unstable_scoring: tuple[str, float] | None = None):
+                 max_recent: int, device: torch.device, sink_pages: int = 0, recent_pages: int = 0, *,
+                 stable_scoring: tuple[str, float], unstable_scoring: tuple[str, float]):
         self.budget_pages, self.max_recent = budget_pages, max_recent
         # (group_score, bound_shrink) per kind of head (FlexiCacheConfig.stable_scoring / unstable_scoring)
-        self.stable_scoring = tuple(stable_scoring)
-        self.unstable_scoring = self.stable_scoring if unstable_scoring is None else tuple(unstable_scoring)
+        self.stable_scoring, self.unstable_scoring = tuple(stable_scoring), tuple(unstable_scoring)
         self.sink_pages, self.recent_pages = sink_pages, recent_pages
         self.unstable_host = tuple(unstable)
         self.num_stable = num_kv_heads - len(unstable)

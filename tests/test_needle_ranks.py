@@ -6,6 +6,7 @@ import torch
 from flexicache_hf.eval.needle_ranks import RULES, answer_token, head_ranks, needle_ranks, rank_of, report
 from flexicache_hf.eval.oracle import page_bound, page_mass
 from flexicache_hf.eval.tasks import make_samples
+from flexicache_hf.head_profile import HeadProfile
 
 from test_eval import CharTokenizer, tiny_llama
 
@@ -45,8 +46,8 @@ def test_answer_token_finds_the_value_or_says_it_is_missing():
 def test_needle_ranks_end_to_end_on_a_tiny_model():
     model, tok = tiny_llama(), CharTokenizer()
     sample = make_samples(tok, "niah_multikey", 300, 1, 0)[0]
-    res = needle_ranks(model, tok, sample, page_size=8, budget=64, unstable=frozenset({(0, 1)}), min_mass=0.0,
-                       at_step=2)
+    res = needle_ranks(model, tok, sample, page_size=8, budget=64,
+                       profile=HeadProfile.from_unstable(model.config, [(0, 1)]), min_mass=0.0, at_step=2)
     assert len(res["output"]) == 3  # one character a token: the prompt's token and two decode steps'
     ids_context = res["context_tokens"]
     assert res["answer_page"] * 8 <= ids_context and res["budget_pages"] == 8
@@ -56,6 +57,8 @@ def test_needle_ranks_end_to_end_on_a_tiny_model():
     assert res["heads_missing_the_page"]["split"] == sum(r["split"] >= 8 for r in res["heads"])
     assert "| layer | KV head |" in report(res)
     with pytest.raises(ValueError, match="at_step must be"):
-        needle_ranks(model, tok, sample, page_size=8, budget=64, unstable=frozenset(), at_step=0)
+        needle_ranks(model, tok, sample, page_size=8, budget=64, profile=HeadProfile.all_stable(model.config),
+                     at_step=0)
     with pytest.raises(ValueError, match="unknown rule"):
-        needle_ranks(model, tok, sample, page_size=8, budget=64, unstable=frozenset(), split=("mass", "sum"))
+        needle_ranks(model, tok, sample, page_size=8, budget=64, profile=HeadProfile.all_stable(model.config),
+                     split=("mass", "sum"))

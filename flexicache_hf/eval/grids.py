@@ -492,8 +492,10 @@ def qwen_16k_retention_oracle() -> EvalConfig:
     oracle (exact attention mass of the current query, same budget) and Quest's bound with the group mass through
     the same reference path.  Every 8-token row of ``qwen-16k-retention-unstable`` lost one sample dense answers:
     if the oracle keeps it, the bound's ranking loses it; if not, the budget does."""
-    return replace(qwen_retention_unstable(qwen_16k()), name="qwen-16k-retention-oracle", tasks=("niah_multikey",),
-                   task_extra=(Policy("oracle", 1024), Policy("quest-ref", 1024, group_score="mass")))
+    grid = qwen_retention_unstable(qwen_16k())
+    (budget,) = grid.budgets
+    return replace(grid, name="qwen-16k-retention-oracle", tasks=("niah_multikey",),
+                   task_extra=(Policy("oracle", budget), Policy("quest-ref", budget, group_score="mass")))
 
 
 def qwen_32k_retention_multikey() -> EvalConfig:
@@ -549,8 +551,9 @@ def qwen_retention_split(base: EvalConfig) -> EvalConfig:
     8-token pages) for the split rule (:func:`_split_rows`) with 37.5 % and with 25 % unstable: does the paper's
     bound on the unstable heads keep the multikey needles the shrunk mass lost (16k sample 12, 32k sample 4)?  The
     retrieval heads that lost them (layers 9 and 11, KV head 1) are unstable at both fractions."""
-    budget = base.fidelity_prompt // 16
-    return replace(qwen_retention_unstable(base), name=f"{base.name}-retention-split",
+    grid = qwen_retention_unstable(base)
+    (budget,) = grid.budgets
+    return replace(grid, name=f"{base.name}-retention-split",
                    task_extra=tuple(_split_rows(budget, f)[0] for f in (0.375, 0.25)))
 
 

@@ -70,11 +70,12 @@ def head_ranks(query: torch.Tensor, keys: torch.Tensor, scale: float, page_size:
 
 
 @torch.inference_mode()
-def needle_ranks(model, tokenizer, sample, *, page_size: int, budget: int, unstable: frozenset,
+def needle_ranks(model, tokenizer, sample, *, page_size: int, budget: int, profile,
                  split: tuple[str, str] = ("mass-shrink0.5", "max"), min_mass: float = 0.3,
                  max_steps: int = 8, at_step: int | None = None) -> dict:
     """Run ``sample`` densely until it writes the first token of its first answer; rank the answer's page at that
-    step (see the module docstring).  ``unstable``: the profile's ``(layer, head)`` pairs.  ``at_step``: rank at
+    step (see the module docstring).  ``profile``: the HeadProfile whose unstable heads the split rule scores by
+    its unstable rule.  ``at_step``: rank at
     that decode step instead (1 = the first token after the prompt's), whatever it writes."""
     if at_step is not None and not 1 <= at_step <= max_steps:
         raise ValueError(f"at_step must be in 1..max_steps ({max_steps}), got {at_step!r}")
@@ -89,8 +90,6 @@ def needle_ranks(model, tokenizer, sample, *, page_size: int, budget: int, unsta
     every_page = -(-total // page_size) * page_size
     cache = oracle_cache(model.config.num_hidden_layers, FlexiCacheConfig(page_size=page_size,
                                                                          token_budget=every_page))
-    for layer in cache.layers:
-        layer.keep_query = True
     out: list[int] = []
     with capture_queries(model):
         for chunk in chunks:
@@ -109,8 +108,7 @@ def needle_ranks(model, tokenizer, sample, *, page_size: int, budget: int, unsta
     heads = []
     for li, layer in enumerate(cache.layers):  # the step that wrote out[-1] is each layer's last decode step
         q, scale = layer.last["query"], layer.last["scale"]
-        rows = head_ranks(q, layer.keys, scale, page_size, page,
-                          {h for (l, h) in unstable if l == li}, split, min_mass)
+        rows = head_ranks(q, layer.keys, scale, page_size, page, set(profile.unstable_heads(li)), split, min_mass)
         heads += [{"layer": li, **r} for r in rows]
     k = budget // page_size
     missed = {name: sum(r[name] >= k for r in heads) for name in (*RULES, "split")}
@@ -160,8 +158,7 @@ def main(argv=None) -> int:
     profile = resolve_profile(TITLES[canonical_name(args.model)]).least_stable(args.unstable_fraction)
     sample = make_samples(tok, args.task, args.length, args.index + 1, 0)[args.index]
     result = needle_ranks(model, tok, sample, page_size=args.page_size, budget=args.budget,
-                          unstable=frozenset(profile.unstable), min_mass=args.min_mass,
-                          at_step=args.at_step)
+                          profile=profile, min_mass=args.min_mass, at_step=args.at_step)
     command = "python -m flexicache_hf.eval.needle_ranks " + shlex.join(sys.argv[1:] if argv is None else argv)
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU ({torch.get_num_threads()} threads)"
     text = f"Command: `{command}` (float32, {device})\n\n" + report(result)

@@ -116,10 +116,9 @@ class OracleLayer(DynamicLayer):
         self.config, self.rank = config, rank
         self.query = None  # [B, Hq, T, D] of the forward in flight (capture_queries)
         self.scaling = None  # the attention module's softmax scale (capture_queries; else 1/sqrt(D))
-        self.last = None  # the last decode step: {"pages", "scores", "mass"} (tests, diagnostics)
+        self.last = None  # the last decode step: {"pages", "scores", "mass", "query", "scale"} (tests, diagnostics)
         self.mass_sum = None  # [B] sum over decode steps and query heads of the attended fraction of the mass
         self.mass_count = 0  # decode steps x query heads summed into mass_sum
-        self.keep_query = False  # also keep the last decode step's query and scale in ``last`` (needle_ranks)
 
     def _length_after(self, query_length: int) -> int:
         return self.get_seq_length() + query_length
@@ -149,14 +148,12 @@ class OracleLayer(DynamicLayer):
         scores = mass if self.rank == "mass" else page_bound(q, keys, ps, self.config.group_score, scale,
                                                              self.config.bound_shrink)
         pages = select(scores, self.config.budget_pages, self.config.sink_pages, self.config.recent_pages)
-        self._record(pages, scores, mass, group=q.shape[1] // keys.shape[1])
-        if self.keep_query:
-            self.last.update(query=q, scale=scale)
+        self._record(pages, scores, mass, group=q.shape[1] // keys.shape[1], query=q, scale=scale)
         idx = gather_index(pages, L, ps)[..., None].expand(-1, -1, -1, keys.shape[-1])
         return keys.gather(2, idx), values.gather(2, idx)
 
-    def _record(self, pages, scores, mass, group: int) -> None:
-        self.last = {"pages": pages, "scores": scores, "mass": mass}
+    def _record(self, pages, scores, mass, group: int, query, scale: float) -> None:
+        self.last = {"pages": pages, "scores": scores, "mass": mass, "query": query, "scale": scale}
         kept = mass.gather(2, pages).sum(-1)  # [B, H]: the group's mass on the attended pages (<= group)
         s = kept.sum(1).double().cpu()
         self.mass_sum = s if self.mass_sum is None else self.mass_sum + s
