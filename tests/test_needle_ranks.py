@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from flexicache_hf.eval.needle_ranks import RULES, answer_token, head_ranks, needle_ranks, rank_of, report
+from flexicache_hf.eval.needle_ranks import (RULES, answer_token, head_ranks, needle_ranks, parse_rule, rank_of,
+                                             report)
 from flexicache_hf.eval.oracle import page_bound, page_mass
 from flexicache_hf.eval.tasks import make_samples
 from flexicache_hf.head_profile import HeadProfile
@@ -24,15 +25,24 @@ def test_head_ranks_by_every_rule_and_the_split():
     keys = torch.randn(B, H, L, D, generator=g) * 0.3
     q = torch.randn(B, H * G, D, generator=g) * 0.3
     keys[0, 1, 9] = q[0, G:2 * G].mean(0) * 40  # token 9 = page 2 of head 1
-    rows = head_ranks(q, keys, 0.35, ps, 2, unstable={1}, split=("mass-shrink0.5", "max"), min_mass=0.5)
+    rows = head_ranks(q, keys, 0.35, ps, 2, unstable={1}, split=("mass-shrink0.5", "max-shrink0.8"), min_mass=0.5)
     assert [r["head"] for r in rows] == [1]  # head 0 puts little mass on page 2
     (r,) = rows
     assert r["exact"] == 0 and r["mass_on_page"] == pytest.approx(float(page_mass(q, keys, ps, 0.35)[0, 1, 2]))
-    for name, (gs, lam) in RULES.items():
+    for name in (*RULES, "max-shrink0.8"):  # the split's rules are ranked beside the asked ones
+        gs, lam = parse_rule(name)
         assert r[name] == rank_of(page_bound(q, keys, ps, gs, 0.35, lam)[0, 1], 2)
-    assert r["split"] == r["max"] and r["unstable"]
+    assert r["split"] == r["max-shrink0.8"] and r["unstable"]
     (s,) = head_ranks(q, keys, 0.35, ps, 2, unstable=set(), split=("mass-shrink0.5", "max"), min_mass=0.5)
     assert s["split"] == s["mass-shrink0.5"] and not s["unstable"]
+
+
+def test_rule_names_parse_to_group_and_shrink():
+    assert parse_rule("max") == ("max", 1.0) and parse_rule("mass-shrink0.5") == ("mass", 0.5)
+    assert parse_rule("max-shrink0.75") == ("max", 0.75)
+    for bad in ("sum", "max-shrink0", "max-shrink1.5", "mass-shrinkx", "maxx"):
+        with pytest.raises(ValueError, match="unknown rule"):
+            parse_rule(bad)
 
 
 def test_answer_token_finds_the_value_or_says_it_is_missing():
@@ -62,3 +72,6 @@ def test_needle_ranks_end_to_end_on_a_tiny_model():
     with pytest.raises(ValueError, match="unknown rule"):
         needle_ranks(model, tok, sample, page_size=8, budget=64, profile=HeadProfile.all_stable(model.config),
                      split=("mass", "sum"))
+    with pytest.raises(ValueError, match="split is"):
+        needle_ranks(model, tok, sample, page_size=8, budget=64, profile=HeadProfile.all_stable(model.config),
+                     split=("mass",))

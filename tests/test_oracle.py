@@ -306,3 +306,45 @@ def test_profile_grid_with_the_recommended_qwen_setting():
     r = named_configs()["select-16k-unstable-random"]()
     assert r.page_size == 8 and r.fidelity_prompt == 16384 and [p.label for p in r.fidelity_policies()] == ["dense"] + [
         f"flexicache-R16-u38-random-mass-shrink0.5@{b}" for b in (2048, 1024)]
+
+
+def test_oracle_unstable_ranks_the_profiles_unstable_heads_exactly(models):
+    """``oracle-unstable``: the profile's unstable heads take the exact mass, the others the bound; with every head
+    unstable it is the oracle, with none the Quest-like reference path (logits equal step for step)."""
+    fc, _ = models
+    prompt = torch.randint(1, 96, (1, 120), generator=torch.Generator().manual_seed(1))
+    cont = torch.randint(1, 96, (1, 8), generator=torch.Generator().manual_seed(2))
+    profiles = ProfileSource(fc.config, None)
+    mixed = make_cache(Policy("oracle-unstable", 3 * PS, 1, 0.5, group_score="mass", bound_shrink=0.5), fc.config,
+                       120, profiles)
+    step_logits(fc, prompt, cont, mixed)
+    exact = profiles.profile(0.5)
+    for li, layer in enumerate(mixed.layers):
+        last, heads = layer.last, exact.unstable_heads(li)
+        assert layer.exact_heads == heads
+        bound = page_bound(last["query"], layer.keys, PS, "mass", last["scale"], 0.5)
+        for h in range(last["scores"].shape[1]):
+            torch.testing.assert_close(last["scores"][:, h], (last["mass"] if h in heads else bound)[:, h])
+    runs = {}
+    for name, policy in (("all", Policy("oracle-unstable", 3 * PS, 1, 1.0)), ("oracle", Policy("oracle", 3 * PS)),
+                         ("none", Policy("oracle-unstable", 3 * PS, 1, 0.0)), ("ref", Policy("quest-ref", 3 * PS))):
+        runs[name] = step_logits(fc, prompt, cont, make_cache(policy, fc.config, 120, profiles))
+    torch.testing.assert_close(runs["all"], runs["oracle"])
+    torch.testing.assert_close(runs["none"], runs["ref"])
+    assert Policy("oracle-unstable", 1024, 1, 0.375, group_score="mass", bound_shrink=0.5).label == \
+        "oracle-unstable-u38-mass-shrink0.5@1024"
+    with pytest.raises(ValueError, match="exact_heads"):
+        OracleLayer(FlexiCacheConfig(page_size=PS, token_budget=3 * PS), "mass", (0,))
+    with pytest.raises(ValueError, match="one entry per layer"):
+        OracleCache(2, FlexiCacheConfig(page_size=PS, token_budget=3 * PS), "bound", [(0,)])
+
+
+def test_oracle_unstable_grids():
+    cfgs = named_configs()
+    ret, base = cfgs["qwen-16k-retention-oracle-unstable"](), cfgs["qwen-16k-retention-oracle"]()
+    assert ret.tasks == ("niah_multikey",) and ret.samples == base.samples == 16 and ret.page_size == 8
+    assert [p.label for p in ret.task_policies()] == ["dense", "oracle-unstable-u38-mass-shrink0.5@1024",
+                                                      "oracle-unstable-u38@1024"]
+    fid = cfgs["select-16k-oracle-unstable"]()
+    assert fid.page_size == 8 and fid.fidelity_prompt == 16384 and [p.label for p in fid.fidelity_policies()] == [
+        "dense", "oracle-unstable-u38-mass-shrink0.5@2048", "oracle-unstable-u38-mass-shrink0.5@1024"]

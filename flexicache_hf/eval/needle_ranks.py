@@ -32,8 +32,20 @@ from .oracle import oracle_cache, page_bound, page_mass
 from .query_capture import capture_queries
 from .tasks import encode_text, make_samples, render_split
 
-RULES = {"max": ("max", 1.0), "max-shrink0.5": ("max", 0.5), "mass": ("mass", 1.0),
-         "mass-shrink0.5": ("mass", 0.5)}  # name: (group_score, bound_shrink)
+RULES = ("max", "max-shrink0.5", "mass", "mass-shrink0.5")  # ranked unless told otherwise
+
+
+def parse_rule(name: str) -> tuple[str, float]:
+    """``(group_score, bound_shrink)`` of a rule name: ``max`` / ``mass``, optionally ``-shrink<λ>`` with
+    ``0 < λ <= 1`` (e.g. ``max-shrink0.75``); a clear error otherwise."""
+    group, _, rest = name.partition("-shrink")
+    try:
+        shrink = float(rest) if rest else 1.0
+    except ValueError:
+        shrink = float("nan")
+    if group not in ("max", "mass") or not 0.0 < shrink <= 1.0 or (not rest and name != group):
+        raise ValueError(f"unknown rule {name!r}: 'max' or 'mass', optionally '-shrink<λ>' with 0 < λ <= 1")
+    return group, shrink
 
 
 def answer_token(ids: list[int], tokenizer, answer: str) -> int:
@@ -53,11 +65,16 @@ def rank_of(scores: torch.Tensor, page: int) -> int:
 
 
 def head_ranks(query: torch.Tensor, keys: torch.Tensor, scale: float, page_size: int, page: int,
-               unstable: set[int], split: tuple[str, str], min_mass: float) -> list[dict]:
+               unstable: set[int], split: tuple[str, str], min_mass: float,
+               rules: tuple[str, ...] = RULES) -> list[dict]:
     """Per KV head with at least ``min_mass`` of exact mass on ``page``: its ranks by the exact mass and by every
-    rule (row 0 of the batch).  ``unstable``: this layer's unstable heads; ``split``: (stable rule, unstable rule)."""
+    rule of ``rules`` and both of ``split`` (row 0 of the batch).  ``unstable``: this layer's unstable heads;
+    ``split``: (stable rule, unstable rule)."""
     mass = page_mass(query, keys, page_size, scale)[0]
-    by_rule = {name: page_bound(query, keys, page_size, g, scale, lam)[0] for name, (g, lam) in RULES.items()}
+    by_rule = {}
+    for name in dict.fromkeys((*rules, *split)):
+        group, shrink = parse_rule(name)
+        by_rule[name] = page_bound(query, keys, page_size, group, scale, shrink)[0]
     rows = []
     for h in range(mass.shape[0]):
         if float(mass[h, page]) < min_mass:
@@ -72,16 +89,17 @@ def head_ranks(query: torch.Tensor, keys: torch.Tensor, scale: float, page_size:
 @torch.inference_mode()
 def needle_ranks(model, tokenizer, sample, *, page_size: int, budget: int, profile,
                  split: tuple[str, str] = ("mass-shrink0.5", "max"), min_mass: float = 0.3,
-                 max_steps: int = 8, at_step: int | None = None) -> dict:
+                 max_steps: int = 8, at_step: int | None = None, rules: tuple[str, ...] = RULES) -> dict:
     """Run ``sample`` densely until it writes the first token of its first answer; rank the answer's page at that
     step (see the module docstring).  ``profile``: the HeadProfile whose unstable heads the split rule scores by
-    its unstable rule.  ``at_step``: rank at
+    its unstable rule.  ``rules``: the rule names ranked (see :func:`parse_rule`).  ``at_step``: rank at
     that decode step instead (1 = the first token after the prompt's), whatever it writes."""
     if at_step is not None and not 1 <= at_step <= max_steps:
         raise ValueError(f"at_step must be in 1..max_steps ({max_steps}), got {at_step!r}")
-    for rule in split:
-        if rule not in RULES:
-            raise ValueError(f"unknown rule {rule!r}; choose from {sorted(RULES)}")
+    if len(split) != 2:
+        raise ValueError(f"split is (stable rule, unstable rule), got {split!r}")
+    for rule in (*rules, *split):
+        parse_rule(rule)
     chunks = render_split(tokenizer, sample.context, sample.question, sample.answer_prefix)
     ids = chunks[0][0].tolist()
     answer = sample.answers[0]
@@ -108,17 +126,19 @@ def needle_ranks(model, tokenizer, sample, *, page_size: int, budget: int, profi
     heads = []
     for li, layer in enumerate(cache.layers):  # the step that wrote out[-1] is each layer's last decode step
         q, scale = layer.last["query"], layer.last["scale"]
-        rows = head_ranks(q, layer.keys, scale, page_size, page, set(profile.unstable_heads(li)), split, min_mass)
+        rows = head_ranks(q, layer.keys, scale, page_size, page, set(profile.unstable_heads(li)), split, min_mass,
+                          rules)
         heads += [{"layer": li, **r} for r in rows]
     k = budget // page_size
-    missed = {name: sum(r[name] >= k for r in heads) for name in (*RULES, "split")}
+    names = (*dict.fromkeys((*rules, *split)), "split")
+    missed = {name: sum(r[name] >= k for r in heads) for name in names}
     return {"task": sample.task, "index": sample.index, "answer": answer, "answer_page": page,
             "context_tokens": len(ids), "budget_pages": k, "page_size": page_size, "split": list(split),
             "output": tokenizer.decode(out), "heads": heads, "heads_missing_the_page": missed}
 
 
 def report(result: dict) -> str:
-    names = (*RULES, "split")
+    names = tuple(result["heads_missing_the_page"])
     lines = [f"{result['task']} #{result['index']}: answer {result['answer']!r} on page {result['answer_page']} "
              f"of {result['context_tokens']} context tokens; budget {result['budget_pages']} pages of "
              f"{result['page_size']}; dense wrote {result['output']!r}; split = stable by {result['split'][0]}, "
@@ -149,6 +169,9 @@ def main(argv=None) -> int:
     ap.add_argument("--unstable-fraction", type=float, default=0.375,
                     help="the split rule's unstable heads: the measured profile's least-stable fraction")
     ap.add_argument("--min-mass", type=float, default=0.3)
+    ap.add_argument("--rules", default=",".join(RULES),
+                    help="comma-separated rules to rank by: max / mass, optionally -shrink<λ> (e.g. max-shrink0.75)")
+    ap.add_argument("--split", default="mass-shrink0.5,max", help="the split rule: stable heads' rule,unstable's")
     ap.add_argument("--at-step", type=int, default=None,
                     help="rank at this decode step (1 = the first after the prompt) instead of the answer's first")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -158,7 +181,8 @@ def main(argv=None) -> int:
     profile = resolve_profile(TITLES[canonical_name(args.model)]).least_stable(args.unstable_fraction)
     sample = make_samples(tok, args.task, args.length, args.index + 1, 0)[args.index]
     result = needle_ranks(model, tok, sample, page_size=args.page_size, budget=args.budget,
-                          profile=profile, min_mass=args.min_mass, at_step=args.at_step)
+                          profile=profile, min_mass=args.min_mass, at_step=args.at_step,
+                          rules=tuple(args.rules.split(",")), split=tuple(args.split.split(",")))
     command = "python -m flexicache_hf.eval.needle_ranks " + shlex.join(sys.argv[1:] if argv is None else argv)
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU ({torch.get_num_threads()} threads)"
     text = f"Command: `{command}` (float32, {device})\n\n" + report(result)

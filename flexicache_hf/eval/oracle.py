@@ -25,7 +25,9 @@ an offset that puts every attended key before the query, so the causal mask hide
 ``rank="bound"`` ranks by Quest's bound instead (the same formula as FlexiCache's page scores, on each page's
 exact key min/max, combined over the group as the config's ``group_score`` says): the Quest-like selection through this reference path — a cross-check of the plumbing
 against :class:`~flexicache_hf.FlexiCache` and a way to measure how much attention mass the bound's selection
-keeps (``row_stats``).  Both ranks record, per row, the fraction of the exact attention mass that falls on the
+keeps (``row_stats``).  ``exact_heads`` (per layer, the KV heads ranked by the exact mass under ``rank="bound"``)
+mixes the two: e.g. a profile's unstable heads ranked exactly, its stable ones by the bound -- does a better
+ranking of the heads that keep every page on the device alone recover what the bound loses?  Both ranks record, per row, the fraction of the exact attention mass that falls on the
 attended pages.
 
 The selection rules are FlexiCache's own: the forced pages follow
@@ -109,11 +111,14 @@ class OracleLayer(DynamicLayer):
     wants_query = True
     wants_scaling = True
 
-    def __init__(self, config: FlexiCacheConfig, rank: str = "mass"):
+    def __init__(self, config: FlexiCacheConfig, rank: str = "mass", exact_heads: tuple[int, ...] = ()):
         super().__init__()
         if rank not in RANKS:
             raise ValueError(f"rank must be one of {RANKS}, got {rank!r}")
+        if exact_heads and rank != "bound":
+            raise ValueError("exact_heads mixes the exact mass into rank='bound' only")
         self.config, self.rank = config, rank
+        self.exact_heads = tuple(sorted(exact_heads))  # KV heads ranked by the exact mass under rank="bound"
         self.query = None  # [B, Hq, T, D] of the forward in flight (capture_queries)
         self.scaling = None  # the attention module's softmax scale (capture_queries; else 1/sqrt(D))
         self.last = None  # the last decode step: {"pages", "scores", "mass", "query", "scale"} (tests, diagnostics)
@@ -147,6 +152,10 @@ class OracleLayer(DynamicLayer):
         mass = page_mass(q, keys, ps, scale)
         scores = mass if self.rank == "mass" else page_bound(q, keys, ps, self.config.group_score, scale,
                                                              self.config.bound_shrink)
+        if self.exact_heads:
+            exact = list(self.exact_heads)
+            scores = scores.clone()
+            scores[:, exact] = mass[:, exact]
         pages = select(scores, self.config.budget_pages, self.config.sink_pages, self.config.recent_pages)
         self._record(pages, scores, mass, group=q.shape[1] // keys.shape[1], query=q, scale=scale)
         idx = gather_index(pages, L, ps)[..., None].expand(-1, -1, -1, keys.shape[-1])
@@ -173,8 +182,12 @@ class OracleCache(Cache):
     size, token budget, sink and recent pages; the re-rank interval and offload do not apply: every head
     re-ranks every step, nothing is offloaded)."""
 
-    def __init__(self, num_layers: int, config: FlexiCacheConfig, rank: str = "mass"):
-        super().__init__(layers=[OracleLayer(config, rank) for _ in range(num_layers)])
+    def __init__(self, num_layers: int, config: FlexiCacheConfig, rank: str = "mass",
+                 exact_heads: list[tuple[int, ...]] | None = None):
+        if exact_heads is not None and len(exact_heads) != num_layers:
+            raise ValueError(f"exact_heads needs one entry per layer ({num_layers}), got {len(exact_heads)}")
+        heads = exact_heads or [()] * num_layers
+        super().__init__(layers=[OracleLayer(config, rank, heads[i]) for i in range(num_layers)])
         self.config, self.rank = config, rank
 
     @property
@@ -192,5 +205,6 @@ class OracleCache(Cache):
         return [{"attended_mass": float(v) / count} for v in total]
 
 
-def oracle_cache(num_layers: int, config: FlexiCacheConfig, rank: str = "mass") -> OracleCache:
-    return OracleCache(num_layers, config, rank)
+def oracle_cache(num_layers: int, config: FlexiCacheConfig, rank: str = "mass",
+                 exact_heads: list[tuple[int, ...]] | None = None) -> OracleCache:
+    return OracleCache(num_layers, config, rank, exact_heads)

@@ -9,6 +9,8 @@ count for every policy of a sample (rounded down to whole FlexiCache pages, at l
 page size and sink / recent rules, pages ranked by the exact attention mass of the current query, every head
 re-ranked every step (:mod:`flexicache_hf.eval.oracle`).  ``quest-ref`` is the Quest-like selection (min/max
 bound) through the same reference path: the numbers of ``quest``, plus the attention mass its pages keep.
+``oracle-unstable`` mixes them: the profile's unstable heads (``unstable_fraction``) ranked by the exact mass, the
+stable ones by the bound (``group_score`` / ``bound_shrink``), every head every step.
 """
 
 from __future__ import annotations
@@ -23,11 +25,14 @@ from ..head_profile import HeadProfile, ProfileError, resolve_profile
 from .eviction import lserve_cache, snapkv_cache, streaming_cache
 from .oracle import oracle_cache
 
-FAMILIES = ("dense", "flexicache", "quest", "streaming", "snapkv", "lserve", "oracle", "quest-ref")
+FAMILIES = ("dense", "flexicache", "quest", "streaming", "snapkv", "lserve", "oracle", "quest-ref",
+            "oracle-unstable")
 # Families that take FlexiCache's page selection rules (page size, sink and recent pages).
-PAGED_FAMILIES = ("flexicache", "quest", "oracle", "quest-ref")
+PAGED_FAMILIES = ("flexicache", "quest", "oracle", "quest-ref", "oracle-unstable")
 # Families that rank pages by the min/max bound (and so take a group_score).
-BOUND_FAMILIES = ("flexicache", "quest", "quest-ref")
+BOUND_FAMILIES = ("flexicache", "quest", "quest-ref", "oracle-unstable")
+# Families that take a head profile (unstable_fraction, profile).
+PROFILE_FAMILIES = ("flexicache", "oracle-unstable")
 
 
 @dataclass(frozen=True)
@@ -37,8 +42,8 @@ class Policy:
     family: str
     budget: int | float | None = None
     rerank_interval: int = 16  # FlexiCache's R; LServe's re-selection interval
-    unstable_fraction: float = 0.25  # FlexiCache only
-    profile: str = "measured"  # FlexiCache only: "measured" (the model's profile) or "random" (a control)
+    unstable_fraction: float = 0.25  # PROFILE_FAMILIES only
+    profile: str = "measured"  # PROFILE_FAMILIES only: "measured" (the model's profile) or "random" (a control)
     sink_pages: int = 0  # PAGED_FAMILIES only: first pages kept by every re-rank
     recent_pages: int = 0  # PAGED_FAMILIES only: newest pages kept by every re-rank
     group_score: str = "max"  # BOUND_FAMILIES only: FlexiCacheConfig.group_score (how a GQA group ranks pages)
@@ -75,9 +80,11 @@ class Policy:
         forced += f"-shrink{self.bound_shrink:g}" if self.bound_shrink != 1.0 else ""
         if self.unstable_scoring is not None:
             forced += "-unstable-{}-shrink{:g}".format(*self.unstable_scoring)
+        tag = f"-u{round(100 * self.unstable_fraction)}" + ("-random" if self.profile == "random" else "")
         if self.family == "flexicache":
-            tag = "-random" if self.profile == "random" else ""
-            return f"flexicache-R{self.rerank_interval}-u{round(100 * self.unstable_fraction)}{tag}{forced}@{budget}"
+            return f"flexicache-R{self.rerank_interval}{tag}{forced}@{budget}"
+        if self.family == "oracle-unstable":
+            return f"oracle-unstable{tag}{forced}@{budget}"
         if self.family == "lserve":
             return f"lserve-R{self.rerank_interval}@{budget}"
         return f"{self.family}{forced}@{budget}"
@@ -158,11 +165,15 @@ def make_cache(policy: Policy, model_config, context: int, profiles: ProfileSour
                                group_score=policy.group_score, bound_shrink=policy.bound_shrink,
                                **_unstable_fields(policy.unstable_scoring))
         return FlexiCache(prof, cfg, model_config=model_config, kernels=kernels)
-    if policy.family in ("oracle", "quest-ref"):
+    if policy.family in ("oracle", "quest-ref", "oracle-unstable"):
         cfg = FlexiCacheConfig(page_size=page_size, token_budget=budget, sink_pages=policy.sink_pages,
                                recent_pages=policy.recent_pages, group_score=policy.group_score,
                                bound_shrink=policy.bound_shrink)
-        return oracle_cache(layers, cfg, rank="mass" if policy.family == "oracle" else "bound")
+        exact = None
+        if policy.family == "oracle-unstable":
+            prof = profiles.profile(policy.unstable_fraction, policy.profile)
+            exact = [prof.unstable_heads(layer) for layer in range(layers)]
+        return oracle_cache(layers, cfg, rank="mass" if policy.family == "oracle" else "bound", exact_heads=exact)
     if policy.family == "streaming":
         return streaming_cache(layers, budget)
     if policy.family == "snapkv":
