@@ -492,7 +492,8 @@ class FlexiCacheLayer(CacheLayerMixin):
         st, rr = self.state, self.reranker
         due, stable_due = st.due_of(self.layer_idx), plan.due(self.layer_idx)
         if rr.num_stable < self.num_kv_heads or plan.may(stable_due):  # some head is due
-            scores = rr.rerank(self.ops, q, self.kmin, self.kmax, st.num_pages, due, scaling)
+            scores = rr.rerank(self.ops, q, self.kmin, self.kmax, st.num_pages, due, scaling,
+                               keys=(self.pool.k, self.pool.page_table, self.valid_lo, st.length))
             observer = self.owner.observer if plan is not GRAPH_PLAN else None
             if observer is not None:
                 heads, n = rr.scored_heads(stable_due), plan.num_pages

@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 
 GROUP_SCORES = ("max", "mass")  # FlexiCacheConfig.group_score; the page-score kernels take the same names
+# FlexiCacheConfig.unstable_group_score also takes "exact": the unstable heads keep every page on the device, so
+# their pages can be ranked by the exact attention mass instead of a bound from the MinMax cache.
+UNSTABLE_GROUP_SCORES = GROUP_SCORES + ("exact",)
 
 
 class ConfigError(ValueError):
@@ -49,9 +52,11 @@ class FlexiCacheConfig:
             needle question leans on; there the needle's page can rank far lower under ``"mass"`` and a shrunk box
             than under the group maximum of the full bound (``docs/benchmarks/accuracy.md``, "Which heads lose the
             needle").  ``unstable_group_score="max", unstable_bound_shrink=1.0`` gives them the paper's bound while
-            the stable heads keep ``group_score`` / ``bound_shrink``.
+            the stable heads keep ``group_score`` / ``bound_shrink``.  ``"exact"`` ranks the unstable heads' pages by
+            the exact attention mass of the step's query (summed over the group), which their keys, all on the
+            device, allow: the oracle's ranking for those heads, at the cost of reading their keys every step.
         unstable_bound_shrink: ``bound_shrink`` for the unstable heads only (``None``: the same as the stable
-            heads').
+            heads'; not with ``unstable_group_score="exact"``, which uses no bound).
         stagger_reranks: ``False`` (the paper): every layer's stable heads re-rank on the same steps ``R, 2R,
             ...``, so every R-th step promotes all layers' new pages at once.  ``True``: layer ``l`` re-ranks them
             on the steps ``s ≡ l (mod R)``, ``s > 0``, so each step promotes ~1/R of the pages: the same interval per
@@ -96,10 +101,12 @@ class FlexiCacheConfig:
                 f"sink_pages + recent_pages ({self.sink_pages} + {self.recent_pages}) must leave room in the budget "
                 f"of {tb // ps} pages for pages chosen by score"
             )
-        for name, optional in (("group_score", False), ("unstable_group_score", True)):
+        for name, choices in (("group_score", GROUP_SCORES), ("unstable_group_score", UNSTABLE_GROUP_SCORES)):
             v = getattr(self, name)
-            if not (optional and v is None) and v not in GROUP_SCORES:
-                raise ConfigError(f"{name} must be one of {GROUP_SCORES}{' or None' if optional else ''}, got {v!r}")
+            optional = name.startswith("unstable")
+            if not (optional and v is None) and v not in choices:
+                hint = " ('exact' ranks by keys only the unstable heads keep on the device)" if v == "exact" else ""
+                raise ConfigError(f"{name} must be one of {choices}{' or None' if optional else ''}, got {v!r}{hint}")
         for name, optional in (("bound_shrink", False), ("unstable_bound_shrink", True)):
             lam = getattr(self, name)
             if optional and lam is None:
@@ -107,6 +114,9 @@ class FlexiCacheConfig:
             if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not 0 <= lam <= 1:
                 raise ConfigError(f"{name} must be a number in [0, 1]{' or None' if optional else ''}, got {lam!r}")
             object.__setattr__(self, name, float(lam))
+        if self.unstable_group_score == "exact" and self.unstable_bound_shrink not in (None, 1.0):
+            raise ConfigError(f"unstable_bound_shrink does not apply to unstable_group_score='exact' (no bound), "
+                              f"got {self.unstable_bound_shrink!r}")
         cap = self.host_memory_limit
         if cap is not None and (not _is_int(cap) or cap < 0):
             raise ConfigError(f"host_memory_limit must be None or a non-negative number of bytes, got {cap!r}")
@@ -121,6 +131,8 @@ class FlexiCacheConfig:
         """``(group_score, bound_shrink)`` the unstable heads rank their pages by (the stable heads' where the
         ``unstable_*`` fields are ``None``)."""
         g, lam = self.unstable_group_score, self.unstable_bound_shrink
+        if g == "exact":
+            return g, 1.0
         return (self.group_score if g is None else g), (self.bound_shrink if lam is None else lam)
 
     @property

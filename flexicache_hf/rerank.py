@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels import KernelOps
+from .kernels import KernelOps, reference
 
 
 @dataclass(frozen=True)
@@ -94,21 +94,24 @@ class Reranker:
         return self.all_heads[list(self.unstable_host)]
 
     def rerank(self, ops: KernelOps, query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
-               num_pages: torch.Tensor, due: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+               num_pages: torch.Tensor, due: torch.Tensor, scale: float | None = None,
+               keys: tuple | None = None) -> torch.Tensor:
         """Score the heads due now (unstable heads always; stable ones where ``due``) with the MinMax cache and
         store their top-K in ``selected``; returns the scores ``[B, H, P_cap]`` (-inf past ``num_pages`` and
-        on heads not due); ``scale`` is the attention's softmax scale (``group_score="mass"``)."""
+        on heads not due); ``scale`` is the attention's softmax scale (``group_score="mass"``, ``"exact"``).
+        ``keys``: the layer's ``(k_pool, page_table, valid_lo, seq_len)``, which heads ranked ``"exact"`` score
+        with."""
         active = ~self.is_stable | due
         if self.split_scoring:  # each kind of head by its own scoring, into one [B, H, P_cap] row per head
             s_st = self._scores(ops, query, kmin, kmax, self.stable_heads, num_pages, active[self.stable_heads],
                                 scale, self.stable_scoring)
             s_un = self._scores(ops, query, kmin, kmax, self.unstable_heads, num_pages,
-                                active[self.unstable_heads], scale, self.unstable_scoring)
+                                active[self.unstable_heads], scale, self.unstable_scoring, keys)
             scores = s_st.new_empty((s_st.shape[0], self.is_stable.numel(), s_st.shape[2]))
             scores.index_copy_(1, self.stable_heads, s_st).index_copy_(1, self.unstable_heads, s_un)
         else:
             scores = self._scores(ops, query, kmin, kmax, self.all_heads, num_pages, active, scale,
-                                  self.unstable_scoring if self.num_stable == 0 else self.stable_scoring)
+                                  self.unstable_scoring if self.num_stable == 0 else self.stable_scoring, keys)
         ops.select_pages(scores, self.budget_pages, num_pages=num_pages, active=active, out=self.selected)
         self.reranks.add_(active)
         return scores
@@ -125,11 +128,19 @@ class Reranker:
         return wanted
 
     def _scores(self, ops: KernelOps, query, kmin, kmax, heads, num_pages, active, scale,
-                scoring: tuple[str, float]) -> torch.Tensor:
+                scoring: tuple[str, float], keys: tuple | None = None) -> torch.Tensor:
         """The page scores ``heads`` rank by: the bound combined and shrunk as ``scoring`` (group_score,
-        bound_shrink) says, forced pages +inf."""
+        bound_shrink) says, or their exact attention mass (``"exact"``, from ``keys``); forced pages +inf."""
         group_score, shrink = scoring
-        scores = ops.page_scores(query, kmin, kmax, heads, num_pages, active, group_score, scale, shrink)
+        if group_score == "exact":
+            if keys is None:
+                raise ValueError("ranking pages by the exact attention mass needs the layer's keys")
+            k_pool, page_table, valid_lo, seq_len = keys
+            scale = query.shape[-1] ** -0.5 if scale is None else scale
+            scores = reference.exact_page_mass(query, k_pool, page_table, heads, num_pages, valid_lo, seq_len,
+                                               scale, active, lse=ops.page_lse)
+        else:
+            scores = ops.page_scores(query, kmin, kmax, heads, num_pages, active, group_score, scale, shrink)
         return force_pages(scores, num_pages, self.sink_pages, self.recent_pages)
 
     def attend_list(self, newest: torch.Tensor, anchor: torch.Tensor, due: torch.Tensor) -> torch.Tensor:

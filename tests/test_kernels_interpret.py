@@ -117,6 +117,7 @@ else:
     from flexicache_hf.kernels.append import append_token
     from flexicache_hf.kernels.gpu import GPU_OPS
     from flexicache_hf.kernels.minmax import minmax_update
+    from flexicache_hf.kernels.page_lse import page_lse
     from flexicache_hf.kernels.scores import page_scores
     from flexicache_hf.kernels.select import select_pages, select_pages_triton
     from flexicache_hf.kernels.slots import place_page, reseat_slots
@@ -492,3 +493,43 @@ else:
         assert torch.equal(outs["reference"].sequences, outs["triton"].sequences)
         for a, b in zip(outs["reference"].logits, outs["triton"].logits):
             assert rel_err(b, a) < 1e-4
+
+    # ---- page_lse --------------------------------------------------------------------------------------
+    @pytest.mark.parametrize("group,D,ps,dtype", [(1, 8, 4, torch.float32), (3, 16, 8, torch.bfloat16),
+                                                  (7, 64, 8, torch.float32), (7, 16, 4, torch.bfloat16),
+                                                  (3, 64, 4, torch.float32), (1, 64, 8, torch.bfloat16)])
+    def test_page_lse_matches_reference(group, D, ps, dtype):
+        """Every page's log-sum-exp per query head: a shuffled table with unused capacity (entries past the page
+        count point outside the pool: never dereferenced), a row left-padded past its first page, a partly filled
+        last page (and, at the shorter length, a last page with no token yet), heads a subset out of order."""
+        g = torch.Generator().manual_seed(group * 100 + D + ps)
+        B, H, L = 2, 3, 5 * ps + 3
+        n = -(-L // ps)
+        cap = n + 3
+        N = 1 + B * H * cap + 3
+        k_pool = torch.randn(N, ps, D, generator=g).to(dtype)
+        table = (1 + torch.randperm(N - 1, generator=g)[: B * H * cap]).view(B, H, cap).int()
+        q = torch.randn(B, H * group, D, generator=g).to(dtype)
+        valid_lo = torch.tensor([0, ps + 3])
+        scale = D ** -0.5
+        tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+        # (pages, length): the decode step's; a last page with no token yet; a page count short of the length
+        for count, length in ((n, L), (n, (n - 1) * ps), (n - 2, L)):
+            tbl = table.clone()
+            tbl[:, :, count:] = N + 10**6  # past num_pages: would fault if read
+            num_pages, seq_len = torch.tensor([count]), torch.tensor([length])
+            for heads in (torch.tensor([1]), torch.tensor([2, 0])):
+                ref = R.page_lse(q, k_pool, tbl, heads, num_pages, valid_lo, seq_len, scale)
+                for block_n in (None, 16):
+                    ours = page_lse(q, k_pool, tbl, heads, num_pages, valid_lo, seq_len, scale, block_n=block_n)
+                    assert ours.dtype == torch.float32 and ours.shape == ref.shape == (B, heads.numel(), group, cap)
+                    assert torch.equal(torch.isinf(ours), torch.isinf(ref)), (count, length, heads, block_n)
+                    assert bool(torch.isneginf(ours[1, :, :, 0]).all())  # row 1's first page: all padding
+                    assert bool(torch.isneginf(ours[..., count:]).all())
+                    fin = torch.isfinite(ref)
+                    torch.testing.assert_close(ours[fin], ref[fin], **tol)
+        assert page_lse(q, k_pool, table, torch.tensor([], dtype=torch.long), torch.tensor([n]), valid_lo,
+                        torch.tensor([L]), scale).shape == (B, 0, group, cap)
+        empty = page_lse(q[:0], k_pool, table[:0], torch.tensor([0]), torch.tensor([n]), valid_lo[:0],
+                         torch.tensor([L]), scale)
+        assert empty.shape == (0, 1, group, cap)

@@ -487,6 +487,8 @@ def new_cache(row: str, model, profile, args, max_cache_len: int):
         limit = int(args.host_limit_gb * 1e9) if args.host_limit_gb > 0 else None
         return FlexiCache(profile, token_budget=args.budget, rerank_interval=args.rerank_interval,
                           stagger_reranks=args.stagger_reranks, group_score=args.group_score,
+                          page_size=args.page_size, bound_shrink=args.bound_shrink,
+                          unstable_group_score=args.unstable_group_score,
                           max_cache_len=max_cache_len, model_config=model.config, host_memory_limit=limit)
     if is_compiled(row):  # static*
         try:
@@ -772,6 +774,8 @@ def load(args):
         def prompt(batch, length):
             return torch.cat([long_prompt(tok, length, doc_index=i) for i in range(batch)]).cuda()
     model.generation_config.pad_token_id = 0
+    if args.unstable_fraction is not None:
+        profile = profile.least_stable(args.unstable_fraction)
     return model.eval(), profile, prompt
 
 
@@ -841,6 +845,12 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--stagger-reranks", action="store_true",
                     help="FlexiCacheConfig(stagger_reranks=True): layers re-rank their stable heads on different steps")
     ap.add_argument("--group-score", choices=("max", "mass"), default="max", help="FlexiCacheConfig.group_score")
+    ap.add_argument("--page-size", type=int, default=16, help="FlexiCacheConfig.page_size")
+    ap.add_argument("--bound-shrink", type=float, default=1.0, help="FlexiCacheConfig.bound_shrink")
+    ap.add_argument("--unstable-group-score", choices=("max", "mass", "exact"), default=None,
+                    help="FlexiCacheConfig.unstable_group_score (exact: the unstable heads by the exact mass)")
+    ap.add_argument("--unstable-fraction", type=float, default=None,
+                    help="re-cut the model's shipped profile to its least-stable fraction of heads")
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="profile N+8 more tokens of the compiled rows (GPU busy fraction, kernels per step)")
     ap.add_argument("--largest-batch", type=int, default=None, metavar="PROMPT_LEN",

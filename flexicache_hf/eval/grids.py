@@ -539,6 +539,35 @@ def select_16k_oracle_unstable() -> EvalConfig:
                    fidelity_extra=tuple(_oracle_unstable_rows(b)[0] for b in (2048, 1024)))
 
 
+def _exact_rows(budget: int, fraction: float = 0.375, profile: str = "measured",
+                interval: int = 16) -> Policy:
+    """The long-output setting (8-token pages; the stable heads by the mass of the half-shrunk box) with the
+    unstable heads ranked by the exact attention mass (``unstable_group_score="exact"``)."""
+    return Policy("flexicache", budget, interval, fraction, profile, group_score="mass", bound_shrink=0.5,
+                  unstable_scoring=("exact", 1.0))
+
+
+def select_16k_exact() -> EvalConfig:
+    """Issue 14's long-generation targets for :func:`_exact_rows` (``oracle-unstable`` kept 16k's multikey sample
+    12 on the reference path): 16k fidelity at 2048 and 1024, each beside its every-step twin (R = 1), then a random
+    profile of the same size at both budgets (~3 min on an H200)."""
+    rows = []
+    for b in (2048, 1024):
+        rows += [_exact_rows(b), _exact_rows(b, interval=1)]
+    rows += [_exact_rows(b, profile="random") for b in (2048, 1024)]
+    return replace(select_16k(), name="select-16k-exact", page_size=8, fidelity_extra=tuple(rows))
+
+
+def qwen_retention_exact(base: EvalConfig) -> EvalConfig:
+    """Retrieval at 1/16 of ``base``'s length (16 samples a task, the question after the context, 8-token pages)
+    with the unstable heads ranked exactly (:func:`_exact_rows`), 37.5 % and 25 % unstable (~2 min at 16k, ~5 at
+    32k on an H200)."""
+    grid = qwen_retention_unstable(base)
+    (budget,) = grid.budgets
+    return replace(grid, name=f"{base.name}-retention-exact",
+                   task_extra=tuple(_exact_rows(budget, f) for f in (0.375, 0.25)))
+
+
 def split_qwen_cpu() -> EvalConfig:
     """``profiles-qwen-cpu-recommended``'s documents (2 x 4,096 prompt tokens + 32 dense tokens, teacher-forced,
     8-token pages) at budgets 256 (1/16) and 512 (1/8): the README's long-output setting (37.5 % unstable, mass,
@@ -550,6 +579,13 @@ def split_qwen_cpu() -> EvalConfig:
         extra += [Policy("flexicache", b, 16, 0.375, group_score="mass", bound_shrink=0.5), _split_rows(b)[0],
                   _split_rows(b, 0.25)[0]]
     return replace(profiles_qwen_cpu(), name="split-qwen-cpu", page_size=8, fidelity_extra=tuple(extra))
+
+
+def exact_qwen_cpu() -> EvalConfig:
+    """``split-qwen-cpu``'s documents (2 x 4,096 prompt tokens + 32 dense tokens, 8-token pages) with the unstable
+    heads ranked by the exact attention mass (:func:`_exact_rows`) at 256 (1/16) and 512 (1/8), against the
+    long-output setting's 1.364 / 0.987 there (~8 min on 2 cores)."""
+    return replace(split_qwen_cpu(), name="exact-qwen-cpu", fidelity_extra=(_exact_rows(256), _exact_rows(512)))
 
 
 def split_qwen_cpu_max_shrink() -> EvalConfig:
@@ -614,6 +650,9 @@ def named_configs() -> dict:
             "split-qwen-cpu": split_qwen_cpu, "split-qwen-cpu-max-shrink": split_qwen_cpu_max_shrink,
             "select-16k-split": select_16k_split,
             "qwen-16k-retention-oracle-unstable": qwen_16k_retention_oracle_unstable,
+            "select-16k-exact": select_16k_exact, "exact-qwen-cpu": exact_qwen_cpu,
+            "qwen-16k-retention-exact": lambda: qwen_retention_exact(qwen_16k()),
+            "qwen-32k-retention-exact": lambda: qwen_retention_exact(qwen_32k()),
             "select-16k-oracle-unstable": select_16k_oracle_unstable,
             "qwen-16k-retention-split": lambda: qwen_retention_split(qwen_16k()),
             "qwen-32k-retention-split": lambda: qwen_retention_split(qwen_32k()),

@@ -79,7 +79,8 @@ class Policy:
         forced += f"-{self.group_score}" if self.group_score != "max" else ""
         forced += f"-shrink{self.bound_shrink:g}" if self.bound_shrink != 1.0 else ""
         if self.unstable_scoring is not None:
-            forced += "-unstable-{}-shrink{:g}".format(*self.unstable_scoring)
+            group, shrink = self.unstable_scoring
+            forced += f"-unstable-{group}" + ("" if group == "exact" else f"-shrink{shrink:g}")
         tag = f"-u{round(100 * self.unstable_fraction)}" + ("-random" if self.profile == "random" else "")
         if self.family == "flexicache":
             return f"flexicache-R{self.rerank_interval}{tag}{forced}@{budget}"

@@ -25,6 +25,7 @@ class KernelOps:
     minmax_update: Callable[..., None]
     append_token: Callable[..., None]
     page_scores: Callable[..., torch.Tensor]
+    page_lse: Callable[..., torch.Tensor]
     select_pages: Callable[..., torch.Tensor]
     sparse_decode: Callable[..., torch.Tensor]
     copy_pages: Callable[..., None]
@@ -44,6 +45,7 @@ REFERENCE_OPS = KernelOps(
     minmax_update=reference.minmax_update,
     append_token=traced("append_token", reference.append_token),
     page_scores=traced("page_scores", reference.page_scores),
+    page_lse=traced("page_lse", reference.page_lse),
     select_pages=traced("select_pages", reference.select_pages),
     sparse_decode=traced("sparse_decode", reference.sparse_decode),
     copy_pages=reference.copy_pages,

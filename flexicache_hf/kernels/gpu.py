@@ -22,6 +22,7 @@ from types import SimpleNamespace
 from .append import append_token
 from .minmax import minmax_update
 from .ops import traced
+from .page_lse import page_lse
 from .row_copy import RowCopier
 from .scores import page_scores
 from .select import select_pages
@@ -32,7 +33,8 @@ from .uva_copy import PageCopier
 # The kernels themselves (what the custom ops of .ops run on CUDA tensors).  The copier owns the compiled
 # NVRTC kernel (one per device, built on first use), so that cache lives exactly as long as this module.
 _COPIER = PageCopier()
-GPU_KERNELS = SimpleNamespace(append_token=append_token, page_scores=page_scores, select_pages=select_pages,
+GPU_KERNELS = SimpleNamespace(append_token=append_token, page_scores=page_scores, page_lse=page_lse,
+                              select_pages=select_pages,
                               sparse_decode=sparse_decode, copy_kv_pages=_COPIER.copy_kv_pages,
                               reseat_slots=reseat_slots, place_page=place_page)
 
@@ -44,6 +46,7 @@ GPU_OPS = KernelOps(
     minmax_update=minmax_update,
     append_token=traced("append_token", append_token),
     page_scores=traced("page_scores", page_scores),
+    page_lse=traced("page_lse", page_lse),
     select_pages=traced("select_pages", select_pages),
     sparse_decode=traced("sparse_decode", sparse_decode),
     copy_pages=_COPIER.copy_pages,

@@ -43,6 +43,19 @@ def _(query, kmin, kmax, heads, num_pages, active, combine, scale, shrink):
     return query.new_empty((query.shape[0], heads.shape[0], kmin.shape[2]), dtype=torch.float32)
 
 
+@custom_op("flexicache::page_lse", mutates_args=())
+def page_lse_op(query: Tensor, k_pool: Tensor, page_table: Tensor, heads: Tensor, num_pages: Tensor,
+                valid_lo: Tensor, seq_len: Tensor, scale: float) -> Tensor:
+    return _impl("page_lse", query)(query, k_pool, page_table, heads, num_pages, valid_lo, seq_len, scale)
+
+
+@page_lse_op.register_fake
+def _(query, k_pool, page_table, heads, num_pages, valid_lo, seq_len, scale):
+    H = page_table.shape[1]
+    return query.new_empty((query.shape[0], heads.shape[0], query.shape[1] // H, page_table.shape[2]),
+                           dtype=torch.float32)
+
+
 @custom_op("flexicache::select_pages", mutates_args=("out",))
 def select_pages_op(scores: Tensor, k: int, num_pages: Tensor, active: Tensor, out: Tensor) -> None:
     _impl("select_pages", scores)(scores, k, num_pages=num_pages, active=active, out=out)
@@ -117,6 +130,11 @@ def traced(name: str, eager):
             scale = query.shape[-1] ** -0.5 if scale is None else scale
             return page_scores_op(query, kmin, kmax, heads, num_pages, active, combine, float(scale), float(shrink))
         return eager(query, kmin, kmax, heads, num_pages, active, combine, scale, shrink)
+
+    def page_lse(query, k_pool, page_table, heads, num_pages, valid_lo, seq_len, scale):
+        if torch.compiler.is_compiling():
+            return page_lse_op(query, k_pool, page_table, heads, num_pages, valid_lo, seq_len, float(scale))
+        return eager(query, k_pool, page_table, heads, num_pages, valid_lo, seq_len, scale)
 
     def select_pages(scores, k, *, num_pages=None, active=None, out=None):
         if torch.compiler.is_compiling():

@@ -172,6 +172,53 @@ def page_scores(
     return score
 
 
+def page_lse(
+    query: torch.Tensor,  # [B, Hq, D] the decode step's queries
+    k_pool: torch.Tensor,  # [N, page_size, D] key pool
+    page_table: torch.Tensor,  # [B, H, P_cap] int32 physical page of each logical page
+    heads: torch.Tensor,  # [h] int64 KV heads to score (every page of theirs on the device)
+    num_pages: torch.Tensor,  # [1] int64 pages that exist
+    valid_lo: torch.Tensor,  # [B] int64 first non-padding position per row
+    seq_len: torch.Tensor,  # [1] int64 tokens stored
+    scale: float,  # the attention's softmax scale
+) -> torch.Tensor:  # [B, h, G, P_cap] float32
+    """Each page's log-sum-exp of the exact attention logits ``scale * q . k`` over its valid tokens, per query
+    head of the given KV heads' groups; ``-inf`` for pages past ``num_pages`` or without a valid token.
+
+    ``group_mass(page_lse(...), 1.0)`` is each KV head's exact attention mass per page, summed over its group:
+    the oracle's ranking, for heads whose keys all stay on the device (the unstable ones).
+    """
+    B, Hq, D = query.shape
+    H, P_cap = page_table.shape[1], page_table.shape[2]
+    ps = k_pool.shape[1]
+    G = Hq // H
+    n = int(num_pages.reshape(-1)[0]) if isinstance(num_pages, torch.Tensor) else num_pages
+    length = int(seq_len.reshape(-1)[0]) if isinstance(seq_len, torch.Tensor) else seq_len
+    out = torch.full((B, heads.numel(), G, P_cap), NEG_INF, dtype=torch.float32, device=query.device)
+    if n == 0 or heads.numel() == 0:
+        return out
+    phys = page_table[:, heads, :n].long()  # [B, h, n]
+    k = k_pool[phys].float()  # [B, h, n, ps, D]
+    q = query.float().view(B, H, G, D)[:, heads]  # [B, h, G, D]
+    pos = torch.arange(n, device=query.device)[:, None] * ps + torch.arange(ps, device=query.device)  # [n, ps]
+    ok = (pos[None] >= valid_lo[:, None, None]) & (pos[None] < length)  # [B, n, ps]
+    logits = torch.einsum("bhgd,bhptd->bhgpt", q, k) * scale
+    logits = logits.masked_fill(~ok[:, None, None], NEG_INF)
+    out[..., :n] = torch.logsumexp(logits, dim=-1)
+    return out
+
+
+def exact_page_mass(query, k_pool, page_table, heads, num_pages, valid_lo, seq_len, scale,
+                    active: torch.Tensor | None = None, lse=page_lse) -> torch.Tensor:
+    """``[B, h, P_cap]``: the exact attention mass of each page summed over the KV head's group (a softmax per
+    query head over every valid token of the head, the new one included), ``-inf`` where no token is valid and on
+    inactive heads.  ``lse``: the :func:`page_lse` implementation (the reference's or a device kernel)."""
+    mass = group_mass(lse(query, k_pool, page_table, heads, num_pages, valid_lo, seq_len, scale), 1.0)
+    if active is not None:
+        mass = mass.masked_fill(~active.to(mass.device)[None, :, None], NEG_INF)
+    return mass
+
+
 def select_pages(
     scores: torch.Tensor,  # [B, h, P] float32; -inf = not selectable
     k: int,

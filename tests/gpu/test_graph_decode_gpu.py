@@ -79,10 +79,11 @@ def check_graph_equals_eager(model, ids, mask, profile, budget, new, **cfg):
 
 
 SPLIT = dict(group_score="mass", bound_shrink=0.5, unstable_group_score="max", unstable_bound_shrink=1.0)
+EXACT = dict(group_score="mass", bound_shrink=0.5, unstable_group_score="exact")
 
 
 @pytest.mark.parametrize("offload,stagger,scoring", [(True, False, {}), (False, False, {}), (True, True, {}),
-                                                     (True, False, SPLIT)])
+                                                     (True, False, SPLIT), (True, False, EXACT)])
 def test_tiny_llama_graph_equals_eager(offload, stagger, scoring):
     cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,

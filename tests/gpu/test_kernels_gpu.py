@@ -59,6 +59,7 @@ def top_lists(B, H, P, k, seed):
 
 
 GEOMETRY = [(g, D) for g in (1, 3, 4, 7, 8) for D in (64, 128)]  # 7 x 64: Qwen2.5-0.5B
+EXACT = dict(group_score="mass", bound_shrink=0.5, unstable_group_score="exact")
 
 
 @pytest.mark.parametrize("group,D", GEOMETRY)
@@ -140,6 +141,30 @@ def test_minmax_scores_select_match_reference(dtype, H, group, D, combine):
         torch.testing.assert_close(shrunk[fin], shrunk_ref[fin], **tol)
 
 
+@pytest.mark.parametrize("group,D", GEOMETRY)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("L", [1000, 16 * 1024 + 5])
+def test_page_lse_and_exact_mass_match_reference(group, D, dtype, L):
+    """The exact ranking of unstable heads (unstable_group_score="exact"): the Triton page log-sum-exp against
+    the reference at Qwen's and Llama's group geometry, with left padding, spare capacity and a null page of NaN
+    that a stray read would show; and the group mass made from it."""
+    from flexicache_hf.kernels import reference as R
+    from flexicache_hf.kernels.gpu import GPU_OPS
+
+    B, H, ps = 2, 2, 16
+    q, k_pool, _, table, P = paged(B, H, group, D, ps, L, dtype, seed=group * D + L)
+    valid_lo = torch.tensor([0, 37], device=DEV)
+    n, length = torch.tensor([P], device=DEV), torch.tensor([L], device=DEV)
+    for heads in (torch.tensor([1], device=DEV), torch.tensor([1, 0], device=DEV)):
+        lse = GPU_OPS.page_lse(q, k_pool, table, heads, n, valid_lo, length, D ** -0.5)
+        ref = R.page_lse(q, k_pool, table, heads, n, valid_lo, length, D ** -0.5)
+        assert torch.equal(torch.isneginf(lse), torch.isneginf(ref)) and not lse.isnan().any()
+        fin = torch.isfinite(ref)
+        torch.testing.assert_close(lse[fin], ref[fin], rtol=1e-4, atol=1e-3 if dtype == torch.float32 else 3e-2)
+        mass = R.exact_page_mass(q, k_pool, table, heads, n, valid_lo, length, D ** -0.5, lse=GPU_OPS.page_lse)
+        want = R.exact_page_mass(q, k_pool, table, heads, n, valid_lo, length, D ** -0.5)
+        assert torch.equal(torch.isneginf(mass), torch.isneginf(want))
+        torch.testing.assert_close(mass[torch.isfinite(want)], want[torch.isfinite(want)], rtol=2e-2, atol=1e-5)
 @pytest.mark.parametrize("P,k", [(625, 64), (1875, 128), (2048, 130), (40, 64), (20000, 64)])
 def test_select_pages_large(P, k):
     from flexicache_hf.kernels import reference as R
@@ -307,12 +332,14 @@ def _tiny_llama(dtype):
     return cfg, model
 
 
-@pytest.mark.parametrize("dtype,steps,tol,ps,R,L", [(torch.float32, 12, 1e-4, 16, 4, 203),
-                                                   (torch.bfloat16, 1, 3e-2, 16, 4, 203),
-                                                   (torch.float32, 40, 1e-4, 8, 16, 256)])
-def test_flexicache_triton_matches_reference_end_to_end(dtype, steps, tol, ps, R, L):
-    """FlexiCache on CUDA with the default (Triton) kernels decodes like kernels='reference'.  The last case: a
-    prompt ending on a page boundary and 8-token pages at R = 16, whose first interval starts three new pages."""
+@pytest.mark.parametrize("dtype,steps,tol,ps,R,L,scoring", [(torch.float32, 12, 1e-4, 16, 4, 203, {}),
+                                                           (torch.bfloat16, 1, 3e-2, 16, 4, 203, {}),
+                                                           (torch.float32, 40, 1e-4, 8, 16, 256, {}),
+                                                           (torch.float32, 24, 1e-4, 8, 16, 256, EXACT)])
+def test_flexicache_triton_matches_reference_end_to_end(dtype, steps, tol, ps, R, L, scoring):
+    """FlexiCache on CUDA with the default (Triton) kernels decodes like kernels='reference'.  The third case: a
+    prompt ending on a page boundary and 8-token pages at R = 16, whose first interval starts three new pages; the
+    last: the unstable heads ranked by the exact attention mass (the page log-sum-exp kernel)."""
     import flexicache_hf
 
     cfg, model = _tiny_llama(dtype)
@@ -324,7 +351,8 @@ def test_flexicache_triton_matches_reference_end_to_end(dtype, steps, tol, ps, R
     outs = {}
     for kernels in ("reference", None):
         profile = flexicache_hf.HeadProfile.random(cfg, 0.25)
-        cache = flexicache_hf.FlexiCache(profile, kernels=kernels, page_size=ps, token_budget=64, rerank_interval=R)
+        cache = flexicache_hf.FlexiCache(profile, kernels=kernels, page_size=ps, token_budget=64, rerank_interval=R,
+                                         **scoring)
         with torch.no_grad():
             out = model.generate(ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
                                  do_sample=False, past_key_values=cache, output_logits=True,

@@ -1,0 +1,120 @@
+"""Triton twin of :func:`flexicache_hf.kernels.reference.page_lse`: each page's exact log-sum-exp of the logits.
+
+* grid ``(cdiv(P_cap, PAGES_PER_BLOCK), B * h)``: program ``(t, b*h + j)`` covers logical pages
+  ``[t * PAGES_PER_BLOCK, (t + 1) * PAGES_PER_BLOCK)`` of row ``b``, KV head ``heads[j]``.  It gathers their
+  keys through ``page_table`` into one ``[BLOCK_N, BLOCK_D]`` tile (token row -> (page slot, offset)) and
+  scores it against **all** query heads of the group at once: the group's queries are the M dimension of
+  ``tl.dot`` (padded to ``G_PAD >= 16``), as in :mod:`.sparse_decode`.
+* The ``[G_PAD, BLOCK_N]`` logits (``-inf`` on invalid tokens) are viewed as ``[G_PAD, PAGES_PER_BLOCK,
+  PAGE_SIZE]`` and reduced over the last axis (``max + log(sum(exp(x - max)))``); a page with no valid token
+  gives ``-inf``, not NaN.  Every page is a whole tile row, so no cross-program combine is needed.
+* Pages ``>= num_pages`` (read on the device: graph replays see the current count) are never dereferenced,
+  and tokens outside ``[valid_lo[b], seq_len)`` are masked, not loaded; their outputs are ``-inf``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._util import dot_upcast, pow2
+
+
+@triton.jit(do_not_specialize=["width", "n_sel"])
+def _page_lse_kernel(
+    q_ptr,  # [B, Hq, D]
+    k_ptr,  # [N, page_size, D] key pool
+    table_ptr,  # [B, H, P_cap] int32 physical page of each logical page
+    heads_ptr,  # [h] int64 KV heads to score
+    num_pages_ptr,  # [1] int64 pages that exist (read on the device)
+    valid_lo_ptr,  # [B] int64
+    seq_len_ptr,  # [1] int64 tokens stored (read on the device)
+    out_ptr,  # [B, h, GROUP, width] float32, contiguous
+    scale,
+    width,  # P_cap
+    n_sel,  # h
+    s_qb, s_qh, s_qd,
+    s_kn, s_kt, s_kd,
+    s_tb, s_th, s_tp,
+    GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # tokens per program = PAGES_PER_BLOCK * PAGE_SIZE
+    UPCAST: tl.constexpr,  # dot in fp32 with IEEE products (fp32 pools; bf16 under the interpreter)
+):
+    PAGES_PER_BLOCK: tl.constexpr = BLOCK_N // PAGE_SIZE
+    bj = tl.program_id(1).to(tl.int64)
+    b = bj // n_sel
+    j = bj % n_sel
+    h = tl.load(heads_ptr + j)
+    num_pages = tl.load(num_pages_ptr)
+    seq_len = tl.load(seq_len_ptr)
+    lo_valid = tl.load(valid_lo_ptr + b)
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, BLOCK_D)
+    g_ok = g < GROUP
+    d_ok = d < D
+    q = tl.load(q_ptr + b * s_qb + (h * GROUP + g)[:, None] * s_qh + d[None, :] * s_qd,
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # [G_PAD, BLOCK_D]
+    tok = tl.arange(0, BLOCK_N)
+    page = tl.program_id(0) * PAGES_PER_BLOCK + tok // PAGE_SIZE  # [BLOCK_N] logical page of each token row
+    off = tok % PAGE_SIZE
+    listed = page < num_pages
+    phys = tl.load(table_ptr + b * s_tb + h * s_th + page * s_tp, mask=listed, other=0).to(tl.int64)
+    pos = page * PAGE_SIZE + off
+    ok = listed & (pos >= lo_valid) & (pos < seq_len)  # [BLOCK_N] tokens that exist and count
+    k = tl.load(k_ptr + phys[:, None] * s_kn + off[:, None] * s_kt + d[None, :] * s_kd,
+                mask=ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+    if UPCAST:
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(ok[None, :], s * scale, float("-inf"))  # [G_PAD, BLOCK_N] natural-log logits
+    s = tl.reshape(s, [G_PAD, PAGES_PER_BLOCK, PAGE_SIZE])
+    m = tl.max(s, axis=2)  # [G_PAD, PAGES_PER_BLOCK]
+    m_use = tl.where(m == float("-inf"), 0.0, m)  # a page without a valid token: avoid -inf - -inf
+    total = tl.sum(tl.exp(s - m_use[:, :, None]), axis=2)
+    lse = tl.where(total == 0.0, float("-inf"), m_use + tl.log(tl.where(total == 0.0, 1.0, total)))
+    p = tl.program_id(0) * PAGES_PER_BLOCK + tl.arange(0, PAGES_PER_BLOCK)
+    tl.store(out_ptr + (bj * GROUP + g)[:, None] * width + p[None, :], lse,
+             mask=g_ok[:, None] & (p < width)[None, :])
+
+
+def page_lse(
+    query: torch.Tensor,  # [B, Hq, D] the decode step's queries
+    k_pool: torch.Tensor,  # [N, page_size, D] key pool
+    page_table: torch.Tensor,  # [B, H, P_cap] int32 physical page of each logical page
+    heads: torch.Tensor,  # [h] int64 KV heads to score
+    num_pages: torch.Tensor,  # [1] int64 pages that exist (device tensor, never read on the host)
+    valid_lo: torch.Tensor,  # [B] int64 first non-padding position per row
+    seq_len: torch.Tensor,  # [1] int64 tokens stored (device tensor, never read on the host)
+    scale: float,  # the attention's softmax scale
+    *,
+    block_n: int | None = None,  # tokens per program (a multiple of page_size); None: max(page_size, 64)
+    num_warps: int = 4,
+) -> torch.Tensor:  # [B, h, G, P_cap] float32
+    """Same contract as :func:`reference.page_lse`."""
+    B, Hq, D = query.shape
+    H, width = page_table.shape[1], page_table.shape[2]
+    ps = k_pool.shape[1]
+    group = Hq // H
+    n_sel = heads.numel()
+    shape = (B, n_sel, group, width)
+    if B == 0 or n_sel == 0 or width == 0:
+        return torch.full(shape, float("-inf"), dtype=torch.float32, device=query.device)
+    out = torch.empty(shape, dtype=torch.float32, device=query.device)  # the kernel writes every entry
+    upcast = dot_upcast(k_pool.dtype)
+    q = query if upcast or query.dtype == k_pool.dtype else query.to(k_pool.dtype)  # tl.dot: one operand dtype
+    heads = heads.to(device=query.device, dtype=torch.long)
+    bn = block_n or max(ps, 64)  # >= 16 tokens: tl.dot's smallest N
+    grid = (triton.cdiv(width, bn // ps), B * n_sel)
+    _page_lse_kernel[grid](
+        q, k_pool, page_table, heads, num_pages, valid_lo, seq_len, out, scale, width, n_sel,
+        *q.stride(), *k_pool.stride(), *page_table.stride(),
+        GROUP=group, G_PAD=pow2(group, 16), D=D, BLOCK_D=pow2(D, 16), PAGE_SIZE=ps, BLOCK_N=bn,
+        UPCAST=upcast, num_warps=num_warps,
+    )
+    return out

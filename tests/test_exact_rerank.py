@@ -1,0 +1,164 @@
+"""Unstable heads ranked by the exact attention mass (``FlexiCacheConfig(unstable_group_score="exact")``): the
+page log-sum-exp kernel's reference against the oracle's exact mass, and FlexiCache's selection against the
+oracle's, step for step."""
+
+import pytest
+import torch
+
+from conftest import tiny_config, twin_models
+from flexicache_hf import FlexiCache, FlexiCacheConfig
+from flexicache_hf.config import ConfigError
+from flexicache_hf.eval.decoding import _forward
+from flexicache_hf.eval.oracle import OracleCache, page_mass, select
+from flexicache_hf.eval.query_capture import capture_queries
+from flexicache_hf.head_profile import HeadProfile
+from flexicache_hf.kernels import reference
+from flexicache_hf.rerank import SelectionObserver
+
+
+def paged(keys: torch.Tensor, page_size: int, spare: int = 3, seed: int = 0):
+    """``keys [B, H, L, D]`` scattered over a shuffled pool: ``(k_pool [N, ps, D], page_table [B, H, P + spare])``."""
+    B, H, L, D = keys.shape
+    P = -(-L // page_size)
+    cap = P + spare
+    pool = torch.full((1 + B * H * cap, page_size, D), float("nan"))  # unwritten slots must never be read
+    table = torch.zeros(B, H, cap, dtype=torch.int32)
+    perm = torch.randperm(B * H * cap, generator=torch.Generator().manual_seed(seed)) + 1
+    i = 0
+    for b in range(B):
+        for h in range(H):
+            for p in range(cap):
+                table[b, h, p] = int(perm[i])
+                i += 1
+            for p in range(P):
+                tok = keys[b, h, p * page_size:(p + 1) * page_size]
+                pool[table[b, h, p], : tok.shape[0]] = tok
+    return pool, table
+
+
+@pytest.mark.parametrize("L,ps", [(37, 4), (32, 8), (5, 8)])
+def test_exact_page_mass_is_the_oracles_mass(L, ps):
+    g = torch.Generator().manual_seed(L)
+    B, H, G, D = 2, 3, 4, 8
+    keys = torch.randn(B, H, L, D, generator=g)
+    q = torch.randn(B, H * G, D, generator=g)
+    pool, table = paged(keys, ps)
+    P = -(-L // ps)
+    heads = torch.tensor([2, 0])
+    n, length, lo = torch.tensor([P]), torch.tensor([L]), torch.zeros(B, dtype=torch.long)
+    mass = reference.exact_page_mass(q, pool, table, heads, n, lo, length, 0.3)
+    assert mass.shape == (B, 2, table.shape[2]) and torch.isinf(mass[..., P:]).all()
+    torch.testing.assert_close(mass[..., :P], page_mass(q, keys, ps, 0.3)[:, heads])
+    # left padding: row 1's first 3 tokens do not count (the oracle's mass over the rest)
+    lo = torch.tensor([0, 3])
+    mass = reference.exact_page_mass(q, pool, table, heads, n, lo, length, 0.3)
+    want = page_mass(q[1:], keys[1:, :, 3:], ps, 0.3)  # pages shift by 3 tokens: compare sums, not pages
+    torch.testing.assert_close(mass[1, :, :P].sum(-1), want[0, heads].sum(-1))
+    if L > 3:
+        assert float(mass[1].exp().isfinite().all()) and mass.shape[-1] == table.shape[2]
+    lse = reference.page_lse(q, pool, table, heads, n, lo, length, 0.3)
+    assert lse.shape == (B, 2, G, table.shape[2])
+    # an inactive head's row is -inf
+    off = reference.exact_page_mass(q, pool, table, heads, n, lo, length, 0.3, active=torch.tensor([False, True]))
+    assert torch.isinf(off[:, 0]).all() and torch.equal(off[:, 1], mass[:, 1])
+
+
+def test_config_takes_exact_for_the_unstable_heads_only():
+    c = FlexiCacheConfig(group_score="mass", bound_shrink=0.5, unstable_group_score="exact")
+    assert c.unstable_scoring == ("exact", 1.0) and c.stable_scoring == ("mass", 0.5)
+    with pytest.raises(ConfigError, match="only the unstable heads keep on the device"):
+        FlexiCacheConfig(group_score="exact")
+    with pytest.raises(ConfigError, match="does not apply"):
+        FlexiCacheConfig(unstable_group_score="exact", unstable_bound_shrink=0.5)
+
+
+@pytest.fixture(scope="module")
+def models():
+    return twin_models(tiny_config("llama", heads=8, kv_heads=2, layers=2))
+
+
+@torch.inference_mode()
+def _logits(model, prompt, cont, cache):
+    out = []
+    with capture_queries(model):
+        out.append(_forward(model, prompt, cache))
+        for tok in cont.T[:-1]:
+            out.append(_forward(model, tok[:, None], cache))
+    return torch.stack(out)
+
+
+def test_flexicache_with_every_head_exact_is_the_oracle(models):
+    """Every head unstable and ranked exactly: FlexiCache's logits are the oracle's, step for step."""
+    fc, _ = models
+    prompt = torch.randint(1, 96, (1, 150), generator=torch.Generator().manual_seed(3))
+    cont = torch.randint(1, 96, (1, 12), generator=torch.Generator().manual_seed(4))
+    cfg = FlexiCacheConfig(page_size=8, token_budget=32, group_score="mass", bound_shrink=0.5,
+                           unstable_group_score="exact")
+    cache = FlexiCache(HeadProfile.all_unstable(fc.config), cfg, model_config=fc.config)
+    oracle = OracleCache(2, cfg, "mass")
+    torch.testing.assert_close(_logits(fc, prompt, cont, cache), _logits(fc, prompt, cont, oracle),
+                               atol=1e-4, rtol=1e-4)
+    for layer, ref in zip(cache.layers, oracle.layers):
+        torch.testing.assert_close(layer.reranker.selected, ref.last["pages"])
+
+
+class ExactCheck(SelectionObserver):
+    """At every re-rank, the unstable heads' scores must be the exact mass of the step's query over the keys the
+    cache holds for them (its resident pool), and their new top-K the oracle's selection of that mass."""
+
+    def __init__(self, cache, profile):
+        self.cache, self.profile, self.checked = cache, profile, 0
+
+    def on_rerank(self, event):
+        layer = self.cache.layers[event.layer_idx]
+        unstable = self.profile.unstable_heads(event.layer_idx)
+        L, ps = layer.seq_len, layer.config.page_size
+        resident = layer.pool.full_tokens("k")[:, :, :L]  # [B, full_heads, L, D]: the unstable heads, in order
+        keys = torch.zeros(resident.shape[0], layer.num_kv_heads, L, resident.shape[-1])
+        keys[:, layer.full_heads] = resident.float()
+        mass = page_mass(event.query, keys, ps, layer.head_dim ** -0.5)
+        heads = event.heads.tolist()
+        for h in unstable:
+            row = heads.index(h)
+            torch.testing.assert_close(event.scores[:, row], mass[:, h], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(event.pages[:, row], select(mass[:, h:h + 1], layer.config.budget_pages)[:, 0])
+            self.checked += 1
+
+
+@pytest.mark.parametrize("offload", [True, False])
+def test_unstable_heads_rank_by_the_exact_mass_beside_offloaded_stable_heads(models, offload):
+    fc, _ = models
+    prompt = torch.randint(1, 96, (1, 150), generator=torch.Generator().manual_seed(3))
+    prof = HeadProfile.from_unstable(fc.config, [(0, 1), (1, 0)])
+    cfg = FlexiCacheConfig(page_size=8, token_budget=32, rerank_interval=4, group_score="mass", bound_shrink=0.5,
+                           unstable_group_score="exact", offload=offload)
+    cache = FlexiCache(prof, cfg, model_config=fc.config)
+    check = ExactCheck(cache, prof)
+    cache.observer = check
+    fc.generate(prompt, past_key_values=cache, max_new_tokens=10, min_new_tokens=10, do_sample=False,
+                pad_token_id=0, disable_compile=True)
+    assert check.checked == 2 * 9  # two unstable heads, every decode step (the first token comes from the prompt)
+    assert cache.layers[0].reranker.split_scoring
+
+
+def test_exact_grids_and_policy(models):
+    from flexicache_hf.eval.grids import named_configs
+    from flexicache_hf.eval.policies import Policy, ProfileSource, make_cache
+
+    cfgs = named_configs()
+    fid = cfgs["select-16k-exact"]()
+    assert fid.page_size == 8 and fid.fidelity_prompt == 16384 and [p.label for p in fid.fidelity_policies()] == [
+        "dense"] + [f"flexicache-R{r}-u38{t}-mass-shrink0.5-unstable-exact@{b}"
+                    for r, t, b in ((16, "", 2048), (1, "", 2048), (16, "", 1024), (1, "", 1024),
+                                    (16, "-random", 2048), (16, "-random", 1024))]
+    for name, budget in (("qwen-16k-retention-exact", 1024), ("qwen-32k-retention-exact", 2048)):
+        c = cfgs[name]()
+        assert c.samples == 16 and c.question_after_context and c.page_size == 8
+        assert [p.label for p in c.task_policies()] == ["dense"] + [
+            f"flexicache-R16-u{u}-mass-shrink0.5-unstable-exact@{budget}" for u in (38, 25)]
+    cpu = cfgs["exact-qwen-cpu"]()
+    assert cpu.page_size == 8 and [p.label for p in cpu.fidelity_policies()][1:] == [
+        f"flexicache-R16-u38-mass-shrink0.5-unstable-exact@{b}" for b in (256, 512)]
+    fc, _ = models
+    cache = make_cache(fid.fidelity_policies()[1], fc.config, 200, ProfileSource(fc.config, None), page_size=8)
+    assert cache.config.unstable_scoring == ("exact", 1.0) and cache.config.stable_scoring == ("mass", 0.5)
