@@ -23,7 +23,7 @@ class RerankEvent:
     step: int  # decode step of this layer, from 0
     heads: torch.Tensor  # [h] int64 KV heads re-ranked this step
     pages: torch.Tensor  # [B, h, K] int64 selected logical pages (ascending, -1 padded)
-    scores: torch.Tensor  # [B, h, num_pages] float32 min/max upper bounds
+    scores: torch.Tensor  # [B, h, num_pages] float32 the scores ranked by (min/max bounds, or the exact mass)
     num_pages: int  # N_t: candidate pages at this step
     query: torch.Tensor  # [B, Hq, D] the decode query that scored them
 
@@ -96,7 +96,7 @@ class Reranker:
     def rerank(self, ops: KernelOps, query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                num_pages: torch.Tensor, due: torch.Tensor, scale: float | None = None,
                keys: tuple | None = None) -> torch.Tensor:
-        """Score the heads due now (unstable heads always; stable ones where ``due``) with the MinMax cache and
+        """Score the heads due now (unstable heads always; stable ones where ``due``) by their rule and
         store their top-K in ``selected``; returns the scores ``[B, H, P_cap]`` (-inf past ``num_pages`` and
         on heads not due); ``scale`` is the attention's softmax scale (``group_score="mass"``, ``"exact"``).
         ``keys``: the layer's ``(k_pool, page_table, valid_lo, seq_len)``, which heads ranked ``"exact"`` score
