@@ -335,6 +335,8 @@ def test_oracle_unstable_ranks_the_profiles_unstable_heads_exactly(models):
         "oracle-unstable-u38-mass-shrink0.5@1024"
     with pytest.raises(ValueError, match="exact_heads"):
         OracleLayer(FlexiCacheConfig(page_size=PS, token_budget=3 * PS), "mass", (0,))
+    with pytest.raises(ValueError, match="profile applies to"):
+        Policy("quest-ref", 1024, profile="random")
     with pytest.raises(ValueError, match="one entry per layer"):
         OracleCache(2, FlexiCacheConfig(page_size=PS, token_budget=3 * PS), "bound", [(0,)])
 
@@ -345,6 +347,3 @@ def test_oracle_unstable_grids():
     assert ret.tasks == ("niah_multikey",) and ret.samples == base.samples == 16 and ret.page_size == 8
     assert [p.label for p in ret.task_policies()] == ["dense", "oracle-unstable-u38-mass-shrink0.5@1024",
                                                       "oracle-unstable-u38@1024"]
-    fid = cfgs["select-16k-oracle-unstable"]()
-    assert fid.page_size == 8 and fid.fidelity_prompt == 16384 and [p.label for p in fid.fidelity_policies()] == [
-        "dense", "oracle-unstable-u38-mass-shrink0.5@2048", "oracle-unstable-u38-mass-shrink0.5@1024"]

@@ -531,14 +531,6 @@ def qwen_16k_retention_oracle_unstable() -> EvalConfig:
     return replace(grid, name="qwen-16k-retention-oracle-unstable", task_extra=_oracle_unstable_rows(budget))
 
 
-def select_16k_oracle_unstable() -> EvalConfig:
-    """``select-16k``'s documents with 8-token pages, the unstable heads ranked exactly and the stable ones by the
-    long-output rule, every head every step, at 2048 and 1024: how much of the gap to dense an exact ranking of
-    the unstable heads alone closes (against the long-output setting's every-step twin, 1.062 at 1024; ~1 min)."""
-    return replace(select_16k(), name="select-16k-oracle-unstable", page_size=8,
-                   fidelity_extra=tuple(_oracle_unstable_rows(b)[0] for b in (2048, 1024)))
-
-
 def _exact_rows(budget: int, fraction: float = 0.375, profile: str = "measured",
                 interval: int = 16) -> Policy:
     """The long-output setting (8-token pages; the stable heads by the mass of the half-shrunk box) with the
@@ -653,7 +645,6 @@ def named_configs() -> dict:
             "select-16k-exact": select_16k_exact, "exact-qwen-cpu": exact_qwen_cpu,
             "qwen-16k-retention-exact": lambda: qwen_retention_exact(qwen_16k()),
             "qwen-32k-retention-exact": lambda: qwen_retention_exact(qwen_32k()),
-            "select-16k-oracle-unstable": select_16k_oracle_unstable,
             "qwen-16k-retention-split": lambda: qwen_retention_split(qwen_16k()),
             "qwen-32k-retention-split": lambda: qwen_retention_split(qwen_32k()),
             "profiles-qwen-cpu-recommended": profiles_qwen_cpu_recommended,

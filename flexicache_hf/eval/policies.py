@@ -59,6 +59,8 @@ class Policy:
             raise ValueError("dense takes no budget; every other policy needs one")
         if self.profile not in ("measured", "random"):
             raise ValueError(f"profile must be 'measured' or 'random', got {self.profile!r}")
+        if self.profile != "measured" and self.family not in PROFILE_FAMILIES:
+            raise ValueError(f"profile applies to {PROFILE_FAMILIES} only, not {self.family!r}")
         if (self.sink_pages or self.recent_pages) and self.family not in PAGED_FAMILIES:
             raise ValueError(f"sink_pages / recent_pages apply to {PAGED_FAMILIES} only, not {self.family!r}")
         if self.group_score != "max" and self.family not in BOUND_FAMILIES:
