@@ -9,7 +9,8 @@
   PAGE_SIZE]`` and reduced over the last axis (``max + log(sum(exp(x - max)))``); a page with no valid token
   gives ``-inf``, not NaN.  Every page is a whole tile row, so no cross-program combine is needed.
 * Pages ``>= num_pages`` (read on the device: graph replays see the current count) are never dereferenced,
-  and tokens outside ``[valid_lo[b], seq_len)`` are masked, not loaded; their outputs are ``-inf``.
+  and tokens outside ``[valid_lo[b], seq_len)`` are masked, not loaded; their outputs are ``-inf``.  A block
+  wholly past ``num_pages`` (a sized cache's spare capacity) stores ``-inf`` and computes nothing.
 """
 
 from __future__ import annotations
@@ -47,10 +48,32 @@ def _page_lse_kernel(
 ):
     PAGES_PER_BLOCK: tl.constexpr = BLOCK_N // PAGE_SIZE
     bj = tl.program_id(1).to(tl.int64)
+    num_pages = tl.load(num_pages_ptr)
+    g = tl.arange(0, G_PAD)
+    p = tl.program_id(0) * PAGES_PER_BLOCK + tl.arange(0, PAGES_PER_BLOCK)
+    out_mask = (g < GROUP)[:, None] & (p < width)[None, :]
+    out_off = (bj * GROUP + g)[:, None] * width + p[None, :]
+    if tl.program_id(0) * PAGES_PER_BLOCK >= num_pages:
+        # A block past the pages that exist (a sized cache's spare capacity): -inf, nothing read.
+        tl.store(out_ptr + out_off, tl.full([G_PAD, PAGES_PER_BLOCK], float("-inf"), tl.float32), mask=out_mask)
+    else:
+        lse = _block_lse(q_ptr, k_ptr, table_ptr, heads_ptr, valid_lo_ptr, seq_len_ptr, scale, num_pages, bj,
+                         n_sel, s_qb, s_qh, s_qd, s_kn, s_kt, s_kd, s_tb, s_th, s_tp,
+                         GROUP, G_PAD, D, BLOCK_D, PAGE_SIZE, BLOCK_N, UPCAST)
+        tl.store(out_ptr + out_off, lse, mask=out_mask)
+
+
+@triton.jit
+def _block_lse(q_ptr, k_ptr, table_ptr, heads_ptr, valid_lo_ptr, seq_len_ptr, scale, num_pages, bj, n_sel,
+               s_qb, s_qh, s_qd, s_kn, s_kt, s_kd, s_tb, s_th, s_tp,
+               GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+               PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+    """``[G_PAD, PAGES_PER_BLOCK]`` log-sum-exp of this program's pages (row ``bj // n_sel``, scored head
+    ``bj % n_sel``)."""
+    PAGES_PER_BLOCK: tl.constexpr = BLOCK_N // PAGE_SIZE
     b = bj // n_sel
     j = bj % n_sel
     h = tl.load(heads_ptr + j)
-    num_pages = tl.load(num_pages_ptr)
     seq_len = tl.load(seq_len_ptr)
     lo_valid = tl.load(valid_lo_ptr + b)
     g = tl.arange(0, G_PAD)
@@ -77,10 +100,7 @@ def _page_lse_kernel(
     m = tl.max(s, axis=2)  # [G_PAD, PAGES_PER_BLOCK]
     m_use = tl.where(m == float("-inf"), 0.0, m)  # a page without a valid token: avoid -inf - -inf
     total = tl.sum(tl.exp(s - m_use[:, :, None]), axis=2)
-    lse = tl.where(total == 0.0, float("-inf"), m_use + tl.log(tl.where(total == 0.0, 1.0, total)))
-    p = tl.program_id(0) * PAGES_PER_BLOCK + tl.arange(0, PAGES_PER_BLOCK)
-    tl.store(out_ptr + (bj * GROUP + g)[:, None] * width + p[None, :], lse,
-             mask=g_ok[:, None] & (p < width)[None, :])
+    return tl.where(total == 0.0, float("-inf"), m_use + tl.log(tl.where(total == 0.0, 1.0, total)))
 
 
 def page_lse(
