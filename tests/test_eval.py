@@ -426,3 +426,23 @@ def test_fidelity_margins_compare_flexicache_with_each_eviction_baseline():
     assert set(m) == {"streaming@256", "snapkv@256"}
     assert m["streaming@256"]["top1_points"] == pytest.approx(5.0)
     assert m["snapkv@256"]["rouge_points"] == pytest.approx(30.0)
+
+
+def test_task_indices_run_only_the_chosen_samples(tmp_path):
+    """``task_indices`` runs the chosen samples of the ``samples`` drawn (the same samples a larger grid draws at
+    those indices), says so in the report, and rejects an index past the draw before running anything."""
+    from flexicache_hf.eval import report, runner
+    from flexicache_hf.eval.grids import EvalConfig
+
+    model = tiny_llama()
+    base = dict(name="test", tasks=("niah_single",), task_length=200, samples=3, budgets=(), families=(),
+                rerank_intervals=(), unstable_fractions=(), reach_lengths=(), fidelity_docs=0)
+    full = runner.run(model, CharTokenizer(), EvalConfig(**base), profile_name=None, progress=False)
+    cfg = EvalConfig(**base, task_indices=(2,))
+    one = runner.run(model, CharTokenizer(), cfg, profile_name=None, progress=False)
+    assert [r["index"] for r in one["tasks"]] == [2]
+    assert one["tasks"][0] == [r for r in full["tasks"] if r["index"] == 2][0]
+    report.write(one, cfg, tmp_path, "cmd", "### test")
+    assert "(indices [2] of the 3 drawn)" in (tmp_path / "report.md").read_text()
+    with pytest.raises(ValueError, match="task_indices"):
+        runner.run(model, CharTokenizer(), EvalConfig(**base, task_indices=(3,)), profile_name=None, progress=False)

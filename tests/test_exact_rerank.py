@@ -159,6 +159,10 @@ def test_exact_grids_and_policy(models):
     cpu = cfgs["exact-qwen-cpu"]()
     assert cpu.page_size == 8 and [p.label for p in cpu.fidelity_policies()][1:] == [
         f"flexicache-R16-u38-mass-shrink0.5-unstable-exact@{b}" for b in (256, 512)]
+    c32 = cfgs["exact-qwen-cpu-32k"]()
+    assert c32.task_indices == (4,) and c32.samples == 5 and c32.tasks == ("niah_multikey",)
+    assert [p.label for p in c32.task_policies()] == ["dense", "flexicache-R16-u38-mass-shrink0.5@2048",
+                                                      "flexicache-R16-u38-mass-shrink0.5-unstable-exact@2048"]
     fc, _ = models
     cache = make_cache(fid.fidelity_policies()[1], fc.config, 200, ProfileSource(fc.config, None), page_size=8)
     assert cache.config.unstable_scoring == ("exact", 1.0) and cache.config.stable_scoring == ("mass", 0.5)

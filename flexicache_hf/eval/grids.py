@@ -19,6 +19,7 @@ class EvalConfig:
     # eviction baseline compresses) the context before the question is known.  False: one prompt forward.
     question_after_context: bool = False
     samples: int = 4  # per task
+    task_indices: tuple[int, ...] | None = None  # run only these of the `samples` drawn per task (None: all)
     budgets: tuple[float, ...] = (1 / 16, 1 / 8, 1 / 4)  # fractions of each task prompt
     families: tuple[str, ...] = ("flexicache", "quest", "streaming", "snapkv", "lserve")
     sweep_budget: float = 1 / 8  # where FlexiCache's R and unstable-fraction sweeps run
@@ -580,6 +581,17 @@ def exact_qwen_cpu() -> EvalConfig:
     return replace(split_qwen_cpu(), name="exact-qwen-cpu", fidelity_extra=(_exact_rows(256), _exact_rows(512)))
 
 
+def exact_qwen_cpu_32k() -> EvalConfig:
+    """The 32k multikey sample the long-output setting lost on the H200 (run 14, index 4: 8718 for 6034), on the
+    CPU, the question after the context, budget 2048 (1/16), 8-token pages: dense, the long-output setting, and
+    the same with the unstable heads ranked exactly (:func:`_exact_rows`).  Does the exact ranking keep what the
+    shrunk box lost?  (~25 min on 2 cores: three 32k prefills.)"""
+    grid = qwen_retention_unstable(qwen_32k())
+    (budget,) = grid.budgets
+    return replace(grid, name="exact-qwen-cpu-32k", tasks=("niah_multikey",), samples=5, task_indices=(4,),
+                   task_extra=(_retention_rows(budget)[0], _exact_rows(budget)))
+
+
 def split_qwen_cpu_max_shrink() -> EvalConfig:
     """``split-qwen-cpu``'s documents with the unstable heads ranked by the group maximum of the half-shrunk box
     (stable heads as before: the mass of the half-shrunk box), 37.5 % unstable, at 256 and 512 (~7 min on 2
@@ -643,6 +655,7 @@ def named_configs() -> dict:
             "select-16k-split": select_16k_split,
             "qwen-16k-retention-oracle-unstable": qwen_16k_retention_oracle_unstable,
             "select-16k-exact": select_16k_exact, "exact-qwen-cpu": exact_qwen_cpu,
+            "exact-qwen-cpu-32k": exact_qwen_cpu_32k,
             "qwen-16k-retention-exact": lambda: qwen_retention_exact(qwen_16k()),
             "qwen-32k-retention-exact": lambda: qwen_retention_exact(qwen_32k()),
             "qwen-16k-retention-split": lambda: qwen_retention_split(qwen_16k()),

@@ -182,7 +182,8 @@ def _by_task_prompt_tokens(rows: list[dict]) -> dict:
 def _task_table(cfg: EvalConfig, ret: dict, tasks, ctx) -> list[str]:
     done = ret["samples"]
     lines = [f"Task prompts ≈ {cfg.task_length} tokens, {done} samples per task"
-             + ("" if done == cfg.samples else f" (of {cfg.samples} configured)")
+             + (f" (indices {list(cfg.task_indices)} of the {cfg.samples} drawn)" if cfg.task_indices is not None
+                else "" if done == cfg.samples else f" (of {cfg.samples} configured)")
              + (", fed as two chunks: the context, then the question (the cache holds the context before the "
                 "question is known)" if cfg.question_after_context else "") + ". Cells: retention = policy "
               f"score / dense score. Tasks with dense < {cfg.dense_floor} are shown (marked *) but not in the mean.", "",

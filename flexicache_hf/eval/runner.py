@@ -60,9 +60,12 @@ def run(model, tokenizer, cfg: EvalConfig, *, profile_name: str | None, corpus=N
     skipped: list[str] = []  # what the time limit left out
     tasks = []
     samples = {t: make_samples(tokenizer, t, cfg.task_length, cfg.samples, cfg.seed, corpus) for t in cfg.tasks}
-    for i in range(cfg.samples):  # sample-major: a time limit leaves every task with the same sample count
+    indices = list(range(cfg.samples)) if cfg.task_indices is None else list(cfg.task_indices)
+    if any(not 0 <= i < cfg.samples for i in indices):
+        raise ValueError(f"task_indices {cfg.task_indices} must lie in 0..{cfg.samples - 1}")
+    for n, i in enumerate(indices):  # sample-major: a time limit leaves every task with the same sample count
         if late():
-            skipped.append(f"task samples {i + 1}..{cfg.samples}")
+            skipped.append(f"task samples {indices[n:]}")
             break
         for task in cfg.tasks:
             s = samples[task][i]
