@@ -31,7 +31,10 @@ def run(model, tokenizer, cfg: EvalConfig, *, profile_name: str | None, corpus=N
         fid_docs = list(cfg.fidelity_doc_indices)
     else:
         fid_docs = fidelity.pick_documents(cfg.fidelity_docs, cfg.fidelity_prompt, corpus)
-    total = (len(cfg.reach_lengths) * cfg.reach_samples + len(cfg.tasks) * cfg.samples * len(task_policies)
+    indices = list(range(cfg.samples)) if cfg.task_indices is None else list(cfg.task_indices)
+    if any(not 0 <= i < cfg.samples for i in indices):
+        raise ValueError(f"task_indices {cfg.task_indices} must lie in 0..{cfg.samples - 1}")
+    total = (len(cfg.reach_lengths) * cfg.reach_samples + len(cfg.tasks) * len(indices) * len(task_policies)
              + len(fid_docs) * len(fid_policies))
     bar = tqdm(total=total, disable=not progress, desc=f"eval {cfg.name}", unit="run")
     t0 = time.time()
@@ -60,9 +63,6 @@ def run(model, tokenizer, cfg: EvalConfig, *, profile_name: str | None, corpus=N
     skipped: list[str] = []  # what the time limit left out
     tasks = []
     samples = {t: make_samples(tokenizer, t, cfg.task_length, cfg.samples, cfg.seed, corpus) for t in cfg.tasks}
-    indices = list(range(cfg.samples)) if cfg.task_indices is None else list(cfg.task_indices)
-    if any(not 0 <= i < cfg.samples for i in indices):
-        raise ValueError(f"task_indices {cfg.task_indices} must lie in 0..{cfg.samples - 1}")
     for n, i in enumerate(indices):  # sample-major: a time limit leaves every task with the same sample count
         if late():
             skipped.append(f"task samples {indices[n:]}")
