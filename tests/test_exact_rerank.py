@@ -49,13 +49,14 @@ def test_exact_page_mass_is_the_oracles_mass(L, ps):
     mass = reference.exact_page_mass(q, pool, table, heads, n, lo, length, 0.3)
     assert mass.shape == (B, 2, table.shape[2]) and torch.isinf(mass[..., P:]).all()
     torch.testing.assert_close(mass[..., :P], page_mass(q, keys, ps, 0.3)[:, heads])
-    # left padding: row 1's first 3 tokens do not count (the oracle's mass over the rest)
+    # left padding: row 1's first 3 tokens take no attention; the softmax runs over the others
     lo = torch.tensor([0, 3])
     mass = reference.exact_page_mass(q, pool, table, heads, n, lo, length, 0.3)
-    want = page_mass(q[1:], keys[1:, :, 3:], ps, 0.3)  # pages shift by 3 tokens: compare sums, not pages
-    torch.testing.assert_close(mass[1, :, :P].sum(-1), want[0, heads].sum(-1))
-    if L > 3:
-        assert float(mass[1].exp().isfinite().all()) and mass.shape[-1] == table.shape[2]
+    logits = torch.einsum("hgd,htd->hgt", q[1].view(H, G, D), keys[1]) * 0.3
+    probs = torch.softmax(logits.masked_fill(torch.arange(L) < 3, float("-inf")), dim=-1)
+    want = torch.nn.functional.pad(probs, (0, P * ps - L)).view(H, G, P, ps).sum((1, 3))  # [H, P]
+    torch.testing.assert_close(mass[1, :, :P], want[heads])
+    torch.testing.assert_close(mass[0, :, :P], page_mass(q, keys, ps, 0.3)[0, heads])  # row 0 unpadded
     lse = reference.page_lse(q, pool, table, heads, n, lo, length, 0.3)
     assert lse.shape == (B, 2, G, table.shape[2])
     # an inactive head's row is -inf
