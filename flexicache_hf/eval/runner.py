@@ -65,7 +65,8 @@ def run(model, tokenizer, cfg: EvalConfig, *, profile_name: str | None, corpus=N
     samples = {t: make_samples(tokenizer, t, cfg.task_length, cfg.samples, cfg.seed, corpus) for t in cfg.tasks}
     for n, i in enumerate(indices):  # sample-major: a time limit leaves every task with the same sample count
         if late():
-            skipped.append(f"task samples {indices[n:]}")
+            skipped.append(f"task samples {i + 1}..{cfg.samples}" if cfg.task_indices is None
+                           else f"task sample indices {indices[n:]}")
             break
         for task in cfg.tasks:
             s = samples[task][i]
