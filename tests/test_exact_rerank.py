@@ -8,12 +8,11 @@ import torch
 from conftest import tiny_config, twin_models
 from flexicache_hf import FlexiCache, FlexiCacheConfig
 from flexicache_hf.config import ConfigError
-from flexicache_hf.eval.decoding import _forward
 from flexicache_hf.eval.oracle import OracleCache, page_mass, select
-from flexicache_hf.eval.query_capture import capture_queries
 from flexicache_hf.head_profile import HeadProfile
 from flexicache_hf.kernels import reference
 from flexicache_hf.rerank import SelectionObserver
+from test_oracle import step_logits
 
 
 def paged(keys: torch.Tensor, page_size: int, spare: int = 3, seed: int = 0):
@@ -78,16 +77,6 @@ def models():
     return twin_models(tiny_config("llama", heads=8, kv_heads=2, layers=2))
 
 
-@torch.inference_mode()
-def _logits(model, prompt, cont, cache):
-    out = []
-    with capture_queries(model):
-        out.append(_forward(model, prompt, cache))
-        for tok in cont.T[:-1]:
-            out.append(_forward(model, tok[:, None], cache))
-    return torch.stack(out)
-
-
 def test_flexicache_with_every_head_exact_is_the_oracle(models):
     """Every head unstable and ranked exactly: FlexiCache's logits are the oracle's, step for step."""
     fc, _ = models
@@ -97,7 +86,7 @@ def test_flexicache_with_every_head_exact_is_the_oracle(models):
                            unstable_group_score="exact")
     cache = FlexiCache(HeadProfile.all_unstable(fc.config), cfg, model_config=fc.config)
     oracle = OracleCache(2, cfg, "mass")
-    torch.testing.assert_close(_logits(fc, prompt, cont, cache), _logits(fc, prompt, cont, oracle),
+    torch.testing.assert_close(step_logits(fc, prompt, cont, cache), step_logits(fc, prompt, cont, oracle),
                                atol=1e-4, rtol=1e-4)
     for layer, ref in zip(cache.layers, oracle.layers):
         torch.testing.assert_close(layer.reranker.selected, ref.last["pages"])
