@@ -136,7 +136,6 @@ class Reranker:
             if keys is None:
                 raise ValueError("ranking pages by the exact attention mass needs the layer's keys")
             k_pool, page_table, valid_lo, seq_len = keys
-            scale = query.shape[-1] ** -0.5 if scale is None else scale
             scores = reference.exact_page_mass(query, k_pool, page_table, heads, num_pages, valid_lo, seq_len,
                                                scale, active, lse=ops.page_lse)
         else:

@@ -21,6 +21,11 @@ from ..config import GROUP_SCORES
 NEG_INF = float("-inf")
 
 
+def host_int(x: torch.Tensor | int) -> int:
+    """A count the kernels take as a one-element device tensor (graph replays read the current value) or an int."""
+    return int(x.reshape(-1)[0]) if isinstance(x, torch.Tensor) else x
+
+
 def minmax_update(
     kmin: torch.Tensor,  # [B, H, P_cap, D] running per-page per-channel key minimum (+inf = empty)
     kmax: torch.Tensor,  # [B, H, P_cap, D] running per-page per-channel key maximum (-inf = empty)
@@ -146,7 +151,7 @@ def page_scores(
     check_combine(combine)
     check_shrink(shrink)
     if isinstance(num_pages, torch.Tensor):  # the device count: a row as wide as the cache, -inf past it
-        n = int(num_pages.reshape(-1)[0])
+        n = host_int(num_pages)
         out = torch.full((query.shape[0], heads.numel(), kmin.shape[2]), NEG_INF, device=query.device)
         out[:, :, :n] = page_scores(query, kmin, kmax, heads, n, active, combine, scale, shrink)
         return out
@@ -192,8 +197,7 @@ def page_lse(
     H, P_cap = page_table.shape[1], page_table.shape[2]
     ps = k_pool.shape[1]
     G = Hq // H
-    n = int(num_pages.reshape(-1)[0]) if isinstance(num_pages, torch.Tensor) else num_pages
-    length = int(seq_len.reshape(-1)[0]) if isinstance(seq_len, torch.Tensor) else seq_len
+    n, length = host_int(num_pages), host_int(seq_len)
     out = torch.full((B, heads.numel(), G, P_cap), NEG_INF, dtype=torch.float32, device=query.device)
     if n == 0 or heads.numel() == 0:
         return out
@@ -208,11 +212,13 @@ def page_lse(
     return out
 
 
-def exact_page_mass(query, k_pool, page_table, heads, num_pages, valid_lo, seq_len, scale,
+def exact_page_mass(query, k_pool, page_table, heads, num_pages, valid_lo, seq_len, scale: float | None = None,
                     active: torch.Tensor | None = None, lse=page_lse) -> torch.Tensor:
     """``[B, h, P_cap]``: the exact attention mass of each page summed over the KV head's group (a softmax per
     query head over every valid token of the head, the new one included), ``-inf`` where no token is valid and on
-    inactive heads.  ``lse``: the :func:`page_lse` implementation (the reference's or a device kernel)."""
+    inactive heads.  ``scale``: the attention's softmax scale (None: D ** -0.5, as :func:`page_scores`).
+    ``lse``: the :func:`page_lse` implementation (the reference's or a device kernel)."""
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
     mass = group_mass(lse(query, k_pool, page_table, heads, num_pages, valid_lo, seq_len, scale), 1.0)
     if active is not None:
         mass = mass.masked_fill(~active.to(mass.device)[None, :, None], NEG_INF)
@@ -232,7 +238,7 @@ def select_pages(
     When fewer than ``k`` pages are selectable, every selectable page is returned and the rest is ``-1``.
     """
     if num_pages is not None:
-        scores = scores[:, :, : int(num_pages.reshape(-1)[0])]
+        scores = scores[:, :, : host_int(num_pages)]
     if out is not None:
         pages = select_pages(scores, k)
         keep = torch.ones(scores.shape[1], dtype=torch.bool, device=out.device) if active is None else active.to(out.device)
@@ -271,7 +277,7 @@ def sparse_decode(
     H, W = pages.shape[1], pages.shape[2]
     ps = k_pool.shape[1]
     group = Hq // H
-    seq_len = int(seq_len.reshape(-1)[0]) if isinstance(seq_len, torch.Tensor) else seq_len
+    seq_len = host_int(seq_len)
     existing = -(-seq_len // ps)
     if W > existing:  # listed pages are distinct and < existing: the `existing` smallest entries hold them all
         keyed = torch.where(pages >= 0, pages, existing)
