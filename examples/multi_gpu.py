@@ -97,8 +97,8 @@ same = torch.equal(ours.cpu(), theirs.cpu())
 report = cache.memory_report()  # first: after graph replays it brings the layers' lengths up to date
 per_device = {}
 for layer in cache.layers:
-    row = per_device.setdefault(f"rank {rank} {layer.device}", [0, 0, 0, 0])
-    for i, b in enumerate((1, layer.device_bytes(), layer.host.nbytes(), layer.dense_bytes())):
+    row = per_device.setdefault(f"rank {rank} {layer.storage.device}", [0, 0, 0, 0])
+    for i, b in enumerate((1, layer.device_bytes(), layer.host_bytes(), layer.dense_bytes())):
         row[i] += b
 rows, verdicts = [per_device], [same]
 if world > 1:  # rank 0 prints every rank's (each holds other heads)

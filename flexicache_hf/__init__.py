@@ -5,7 +5,9 @@ with transformers' public ``AttentionInterface`` / ``AttentionMaskInterface``.
 """
 
 from .attention import register as _register
-from .cache import CacheStateError, CacheStats, FlexiCache, FlexiCacheLayer, PagedKV, UnsupportedModelError
+from .cache import CacheStats, FlexiCache
+from .handle import CacheStateError, PagedKV, UnsupportedModelError
+from .layer import FlexiCacheLayer
 from .config import ConfigError, FlexiCacheConfig
 from .head_profile import HeadProfile, ModelIdentity, ProfileError, resolve_profile
 from .recycling import kept_storage_bytes, release_storage

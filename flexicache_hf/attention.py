@@ -2,9 +2,9 @@
 
 transformers calls ``attention_interface(module, query, key, value, attention_mask, scaling=..., ...)``
 right after ``past_key_values.update``.  With a :class:`~flexicache_hf.FlexiCache`, ``key``/``value`` are the
-:class:`~flexicache_hf.cache.PagedKV` handle that ``update`` returned, which carries the layer's paged state:
-prompt chunks get exact causal attention over the cached prefix and the chunk, decode steps get top-K
-page selection and sparse paged attention.  With any other cache (or none) it computes exact dense
+:class:`~flexicache_hf.handle.PagedKV` handle that ``update`` returned, which names its cache and layer: the
+function gives it back to ``cache.attend`` (prompt chunks get exact causal attention over the cached prefix and
+the chunk, decode steps get top-K page selection and sparse paged attention).  With any other cache (or none) it computes exact dense
 attention, so a model loaded with ``attn_implementation="flexicache"`` gives what ``"sdpa"`` gives with
 ``DynamicCache``, ``StaticCache`` (and ``cache_implementation="static"``), offloaded caches or no cache.
 
@@ -28,8 +28,9 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
-from .cache import FlexiCacheLayer, PagedKV, UnsupportedModelError
 from .dense import dense_attention
+from .handle import PagedKV, UnsupportedModelError
+from .layer import FlexiCacheLayer
 
 NAME = "flexicache"
 
@@ -83,7 +84,7 @@ def flexicache_attention(module: torch.nn.Module, query: torch.Tensor, key, valu
         try:
             return _attend_paged(module, query, key, attention_mask, scaling, dropout, kwargs), None
         except BaseException as e:  # the cache names it if this forward is ever resumed
-            key.layer.owner.guard.note(e)
+            key.cache.guard.note(e)
             raise
     _refuse_unsupported(kwargs)
     if attention_mask is None or attention_mask.dim() == 2:  # queries last (see flexicache_mask)
@@ -119,10 +120,7 @@ def _attend_paged(module, query, handle: PagedKV, attention_mask, scaling: float
         )
     if dropout:
         raise ValueError("FlexiCache serves inference only: attention dropout must be 0 (call model.eval())")
-    layer = handle.layer
-    layer.owner.check_model(module.config)
-    layer.owner.check_length(layer.seq_len)  # the first forward learns the context only here
-    return layer.attend(handle, query, attention_mask, scaling)
+    return handle.cache.attend(handle, query, attention_mask, scaling, model_config=module.config)
 
 
 def register() -> None:

@@ -77,7 +77,7 @@ def main(argv=None) -> dict:
     report["pages_per_head_step"] = st.pages_attended / max(st.head_steps, 1)
     report["pages_in_context"] = -(-cache.get_seq_length() // cfg.page_size)
     report["head_rerank_fraction"] = st.head_reranks / max(st.head_steps, 1)
-    report["promoted_pages"] = st.promoted_pages()
+    report["promoted_pages"] = st.promoted_pages
 
     if not args.no_dense:
         model.set_attn_implementation("sdpa")

@@ -1,7 +1,7 @@
 """Exact causal attention of a prompt chunk over its cached prefix and itself (torch SDPA).
 
-Shared by the ``"flexicache"`` attention function (any cache but FlexiCache) and :class:`~flexicache_hf.FlexiCache`
-prompt chunks, so neither module imports the other for it.
+Shared by the ``"flexicache"`` attention function (any cache but FlexiCache) and a FlexiCache layer's prompt chunks
+(:mod:`flexicache_hf.layer.prefill`), so neither imports the other for it.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ class KeptStorage:
 
     def nbytes(self) -> int:
         """Device and host bytes held (what ``release_storage`` frees)."""
-        return sum(layer.device_bytes() + layer.host.nbytes() for layer in self.layers if layer.is_initialized)
+        return sum(layer.device_bytes() + layer.host_bytes() for layer in self.layers)
 
 
 class StorageKeeper:
@@ -49,12 +49,15 @@ class StorageKeeper:
             with self._lock:
                 self._kept = KeptStorage(key, layers, states)
 
-    def take(self, key: tuple) -> KeptStorage | None:
-        """The kept storage when it was made under ``key`` and nothing else holds its layers; the hold ends either
-        way.  (Checked here, not when the cache died: a cache the cyclic collector frees is still referenced by the
-        rest of its garbage cycle at that moment, e.g. the state torch.compile's tracing left.)"""
+    def take(self, key: tuple | None, key_states) -> KeptStorage | None:
+        """The kept storage when it was made under ``key``, fits ``key_states`` (batch, heads, dtype, device) and
+        nothing else holds its layers; the hold ends either way.  (Checked here, not when the cache died: a cache
+        the cyclic collector frees is still referenced by the rest of its garbage cycle at that moment, e.g. the
+        state torch.compile's tracing left.)"""
         kept = self._pop()
-        return kept if kept is not None and kept.key == key and _unshared(kept.layers) else None
+        if kept is None or key is None or kept.key != key or not _unshared(kept.layers):
+            return None
+        return kept if kept.layers[0].storage.fits(key_states) else None
 
     def release(self) -> int:
         """Free what is kept; returns the bytes it held."""
@@ -70,6 +73,15 @@ class StorageKeeper:
         with self._lock:
             kept = self._kept
         return 0 if kept is None else kept.nbytes()
+
+
+def storage_key(cache) -> tuple | None:
+    """What fixes a cache's storage before its first forward (batch, dtype and device are checked there); ``None``
+    for a cache whose storage never passes on: unsized (it grows) or with an observer (never compiled)."""
+    if cache.max_tokens is None or cache.observer is not None:
+        return None
+    return (type(cache), cache.profile.model, cache.profile.unstable, cache.config, cache.max_tokens, cache.kernels,
+            cache.count_pages)
 
 
 def _unshared(layers: list) -> bool:

@@ -52,7 +52,7 @@ class Reranker:
     """Selection state of one layer: each head's current top-K pages, and the rule of what is scored / attended.
 
     The schedule (which step re-ranks stable heads, the anchor page of their last re-rank) is the cache's
-    :class:`~flexicache_hf.state.DecodeState`; everything here takes it as device scalars, so one call sequence
+    :class:`~flexicache_hf.layer.schedule.DecodeState`; everything here takes it as device scalars, so one call sequence
     serves eager steps and captured graphs alike.
     """
 

@@ -76,11 +76,6 @@ class HeadShard:
         """The local indices of those of the global ``heads`` this shard holds, sorted; the others are dropped."""
         return tuple(sorted(h - self.start for h in set(heads) if self.start <= h < self.start + self.count))
 
-    def to_global(self, local: int) -> int:
-        if not 0 <= local < self.count:
-            raise IndexError(f"local KV head {local} is outside this shard's {self.count}")
-        return self.start + local
-
 
 def kv_head_shard(ident: ModelIdentity, layer: int, heads: int, head_dim: int,
                   tp: TensorParallel = TensorParallel()) -> HeadShard:

@@ -109,12 +109,10 @@ class HostTier:
     """
 
     def __init__(self, batch: int, heads: int, page_size: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, limit_bytes: int | None, used_elsewhere: callable, copies: CopyStream,
-                 ops: KernelOps):
+                 device: torch.device, limit_bytes: int | None, copies: CopyStream, ops: KernelOps):
         self.batch, self.heads, self.page_size, self.head_dim = batch, heads, page_size, head_dim
         self.dtype, self.compute_device = dtype, device
-        self.limit_bytes = limit_bytes
-        self._used_elsewhere = used_elsewhere  # host bytes of the cache's other layers (for the cap)
+        self.limit_bytes = limit_bytes  # the cache's host_memory_limit, over every layer's tier
         self.copies, self.ops = copies, ops  # the layer's copy stream (every tier copy runs there)
         self.pinned = device.type == "cuda"
         self.page_capacity = 0
@@ -170,13 +168,13 @@ class HostTier:
             n = self._bytes(page_capacity) * batch // self.batch
             raise HostMemoryError(f"allocating {format_bytes(n)} of {what} memory failed: {e}") from e
 
-    def check_grow(self, page_capacity: int) -> int:
+    def check_grow(self, page_capacity: int, other: int = 0) -> int:
         """The capacity ``grow(page_capacity)`` would allocate; raises HostMemoryError, changing nothing,
-        when it would exceed ``host_memory_limit``."""
+        when it would exceed ``host_memory_limit`` beside the ``other`` host bytes the cache's other layers hold."""
         if page_capacity <= self.page_capacity or self.heads == 0:
             return self.page_capacity
         cap = self.capacity_for(page_capacity)
-        limit, other = self.limit_bytes, self._used_elsewhere() - self.nbytes()
+        limit = self.limit_bytes
         # The cap counts what the allocator holds: a pinned block is the rounded one even when the tier asks
         # for fewer pages, so the rounding is counted (and used as headroom) whether or not a cap is set.
         need = 2 * self._held(cap) + other
@@ -189,9 +187,10 @@ class HostTier:
                 "FlexiCacheConfig(offload=False) to keep every page on the device")
         return cap
 
-    def grow(self, page_capacity: int) -> None:
-        """Hold at least ``page_capacity`` pages, keeping every stored token (one copy of the old tier)."""
-        cap = self.check_grow(page_capacity)
+    def grow(self, page_capacity: int, other: int = 0) -> None:
+        """Hold at least ``page_capacity`` pages, keeping every stored token (one copy of the old tier); ``other``:
+        the host bytes the cache's other layers hold (the cap is the cache's)."""
+        cap = self.check_grow(page_capacity, other)
         if cap <= self.page_capacity:
             return
         k = self._alloc(cap)
@@ -288,6 +287,12 @@ class SlotTable:
     def _set_table(self, pages: torch.Tensor, phys: torch.Tensor) -> None:
         """page_table[b, slot_heads[t], pages[b, t, i]] = phys[b, t, i] where pages >= 0."""
         set_table_entries(self.pool.table_buffer, self.pool.slot_heads, self.pool.table_shape[1], pages, phys)
+
+    def set_pages(self, slot_page: torch.Tensor) -> None:
+        """Hold ``slot_page [B, heads, slots]`` (logical page per slot, -1 = free) in this table's slots (a pool
+        whose rows were selected: the same pages, slot for slot)."""
+        self._set_table(slot_page, self.slot_phys)
+        self.slot_page = slot_page
 
     def clear(self) -> None:
         """Forget every slot (their table entries go back to the null page)."""

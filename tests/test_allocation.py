@@ -20,7 +20,7 @@ def greedy(model, ids, cache, n):
 
 def buffers(cache):
     """Identity of every allocation a layer holds (growth would replace them)."""
-    return [(layer.pool.k.data_ptr(), layer.host.k.data_ptr(), layer.kmin.data_ptr(), layer.page_capacity)
+    return [(layer.storage.pool.k.data_ptr(), layer.storage.host.k.data_ptr(), layer.storage.kmin.data_ptr(), layer.page_capacity)
             for layer in cache.layers]
 
 
@@ -65,9 +65,9 @@ def test_max_cache_len_over_the_context_refused_up_front():
             FlexiCache(HeadProfile.random(cfg, 0.5), **FULL, max_cache_len=bad)
 
 
-def tier(batch=2, heads=3, ps=4, D=8, limit=None, used=lambda: 0):
-    return HostTier(batch, heads, ps, D, torch.float32, torch.device("cpu"), limit, used,
-                    CopyStream(torch.device("cpu")), REFERENCE_OPS)
+def tier(batch=2, heads=3, ps=4, D=8, limit=None):
+    return HostTier(batch, heads, ps, D, torch.float32, torch.device("cpu"), limit, CopyStream(torch.device("cpu")),
+                    REFERENCE_OPS)
 
 
 def test_host_tier_rows_growth_and_row_selection():
@@ -88,13 +88,13 @@ def test_host_tier_rows_growth_and_row_selection():
 
 
 def test_host_tier_limit_refused_without_change_and_rounding_only_when_pinned():
-    held = []
-    t = tier(limit=2 * 2 * 3 * 5 * 4 * 8 * 4, used=lambda: held[0].nbytes())  # exactly 5 pages of K and V
-    held.append(t)  # the cache's host bytes, this tier's included (as FlexiCache.host_bytes counts them)
+    t = tier(limit=2 * 2 * 3 * 5 * 4 * 8 * 4)  # exactly 5 pages of K and V
     t.grow(5)
     with pytest.raises(Exception, match="host_memory_limit"):
         t.grow(6)
     assert t.page_capacity == 5 and t.k.shape[2] == 5
+    with pytest.raises(Exception, match="host_memory_limit"):  # the other layers' bytes count against the cap
+        tier(limit=2 * 2 * 3 * 5 * 4 * 8 * 4).grow(4, 2 * 2 * 3 * 2 * 4 * 8 * 4)  # 4 pages here, 2 elsewhere
     assert tier().capacity_for(5) == 5  # unpinned: no allocator rounding, exact capacity
     pinned = tier()
     pinned.pinned = True

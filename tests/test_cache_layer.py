@@ -49,6 +49,18 @@ def naive_sparse(q, keys, values, pages, valid_lo, ps, scale):
     return out
 
 
+def watch_attended(layer) -> list:
+    """Record the page list every decode step of ``layer`` attends (what the Reranker hands sparse decode)."""
+    seen, attend_list = [], layer.reranker.attend_list
+
+    def recording(*args):
+        seen.append(attend_list(*args))
+        return seen[-1]
+
+    layer.reranker.attend_list = recording
+    return seen
+
+
 def drive(profile, *, B, H, G, D, prompt, steps, ps, budget, R, offload, valid_lo, seed=0, **extra):
     """Prefill `prompt` random tokens then `steps` decode steps; check every output and selection."""
     torch.manual_seed(seed)
@@ -61,9 +73,10 @@ def drive(profile, *, B, H, G, D, prompt, steps, ps, budget, R, offload, valid_l
     values = torch.randn(B, H, prompt, D)
     q = torch.randn(B, H * G, prompt, D)
     handle, _ = cache.update(keys, values, 0)
+    attended_log = watch_attended(layer)
     pos = torch.arange(prompt)
     mask2d = pos[None, :] >= valid_lo[:, None]
-    out = layer.attend(handle, q, mask2d if bool(valid_lo.any()) else None, scale)
+    out = cache.attend(handle, q, mask2d if bool(valid_lo.any()) else None, scale)
     valid = pos[None, :] >= valid_lo[:, None]
     want = dense_attention(q, keys, values, valid if bool(valid_lo.any()) else None, scale)
     rows = valid.T[:, :, None, None].transpose(0, 1)  # compare only non-padding query rows
@@ -84,10 +97,10 @@ def drive(profile, *, B, H, G, D, prompt, steps, ps, budget, R, offload, valid_l
         keys, values = torch.cat([keys, k1], 2), torch.cat([values, v1], 2)
         n_events = len(rec.events)
         handle, _ = cache.update(k1, v1, 0)
-        out = layer.attend(handle, q1, None, scale)[:, 0]
+        out = cache.attend(handle, q1, None, scale)[:, 0]
         L = keys.shape[2]
         n = -(-L // ps)
-        attended = layer.last_attended
+        attended = attended_log[-1]
         # 1. output equals dense softmax over exactly the attended pages, gathered from the full history
         torch.testing.assert_close(out, naive_sparse(q1[:, :, 0], keys, values, attended, valid_lo, ps, scale),
                                    atol=1e-5, rtol=1e-5)
@@ -111,7 +124,7 @@ def drive(profile, *, B, H, G, D, prompt, steps, ps, budget, R, offload, valid_l
                     want = {p for p in sel[b].tolist() if p >= 0} | set(range(anchor + 1, n))
                     assert {p for p in attended[b, h].tolist() if p >= 0} == want, (step, h, b)
         # 4. every attended page of every head is on the device (never the null page)
-        phys = layer.pool.page_table.long().gather(2, attended.clamp_min(0))
+        phys = layer.storage.pool.page_table.long().gather(2, attended.clamp_min(0))
         assert bool(((phys != NULL_PAGE) | (attended < 0)).all())
     return cache, history
 
@@ -153,7 +166,7 @@ def test_every_new_page_has_a_slot_until_the_next_rerank(ps, R, prompt, stagger)
     cache, history = drive(HeadProfile.from_unstable(cfg, [(0, 1)]), B=2, H=2, G=2, D=8, prompt=prompt,
                            steps=3 * R + 2, ps=ps, budget=3 * ps, R=R, offload=True, valid_lo=torch.tensor([0, 3]),
                            stagger_reranks=stagger)
-    assert cache.layers[0].pool.layout.slots == 3 + R // ps + 1
+    assert cache.layers[0].storage.pool.layout.slots == 3 + R // ps + 1
     assert any(heads and 0 in heads[0] for _, heads, _ in history)  # the stable head re-ranked in between
 
 
@@ -211,10 +224,10 @@ def test_offloaded_heads_keep_constant_device_slots():
     cache, _ = drive(profile, B=1, H=2, G=1, D=8, prompt=200, steps=20, ps=4, budget=16, R=4, offload=True,
                      valid_lo=torch.tensor([0]))
     layer = cache.layers[0]
-    assert layer.pool.layout.slots == cache.config.resident_slots  # 4 + 2, not the 55 pages of the context
-    resident = (layer.pool.page_table[:, :, :55] != NULL_PAGE).sum(-1)
+    assert layer.storage.pool.layout.slots == cache.config.resident_slots  # 4 + 2, not the 55 pages of the context
+    resident = (layer.storage.pool.page_table[:, :, :55] != NULL_PAGE).sum(-1)
     assert bool((resident <= cache.config.resident_slots).all())
-    assert cache.stats.promoted_pages() > 0
+    assert cache.stats.promoted_pages > 0
 
 
 def test_sink_and_recent_pages_are_always_selected():
@@ -311,46 +324,47 @@ def test_prompt_seats_the_last_querys_top_k_and_the_first_step_loads_nothing():
     layer = cache.layers[0]
     keys, values, q = torch.randn(B, H, T, D), torch.randn(B, H, T, D), torch.randn(B, H * G, T, D)
     handle, _ = cache.update(keys, values, 0)
-    layer.attend(handle, q, None, scale)
-    heads = layer.slot_heads
+    attended_log = watch_attended(layer)
+    cache.attend(handle, q, None, scale)
+    heads = layer.storage.slot_heads
     assert heads.tolist() == layer.reranker.stable_heads.tolist() == [0, 2, 3]
     n = -(-T // ps)
     lo, hi = naive_minmax(keys, torch.zeros(B, dtype=torch.long), n, ps)
     want = reference.select_pages(reference.page_scores(q[:, :, -1], lo, hi, heads, n, None, "max", scale), K)
     assert torch.equal(layer.reranker.selected[:, heads], want)
-    seated = layer.slots.slot_page
+    seated = layer.storage.slots.slot_page
     for b in range(B):
         for t, h in enumerate(heads.tolist()):
             got = sorted(p for p in seated[b, t].tolist() if p >= 0)
             assert got == want[b, t].tolist()
             for p in got:  # the slot's contents are the prompt's tokens of that page
-                phys = int(layer.pool.page_table[b, h, p])
+                phys = int(layer.storage.pool.page_table[b, h, p])
                 toks = slice(p * ps, min((p + 1) * ps, T))
                 m = toks.stop - toks.start
-                assert torch.equal(layer.pool.k[phys, :m], keys[b, h, toks])
-                assert torch.equal(layer.pool.v[phys, :m], values[b, h, toks])
+                assert torch.equal(layer.storage.pool.k[phys, :m], keys[b, h, toks])
+                assert torch.equal(layer.storage.pool.v[phys, :m], values[b, h, toks])
 
     def step():
         k1, v1, q1 = torch.randn(B, H, 1, D), torch.randn(B, H, 1, D), torch.randn(B, H * G, 1, D)
         handle, _ = cache.update(k1, v1, 0)
-        layer.attend(handle, q1, None, scale)
+        cache.attend(handle, q1, None, scale)
         return k1, v1, q1
 
     history_k = [keys]
     for s in range(R):  # tokens 70, 71 go to page 17 (in every top-K); 72, 73 start page 18
         history_k.append(step()[0])
-        attended = layer.last_attended[:, heads]
+        attended = attended_log[-1][:, heads]
         for b in range(B):
             for t in range(len(heads)):
                 newer = [18] if s >= 2 else []
                 assert sorted(p for p in attended[b, t].tolist() if p >= 0) == want[b, t].tolist() + newer
-    assert cache.stats.promoted == 0 and layer.reranker.reranks.tolist() == [0, R, 0, 0]
+    assert cache.stats.promoted_pages == 0 and layer.reranker.reranks.tolist() == [0, R, 0, 0]
     history_k.append(step()[0])  # step R: the stable heads' first re-rank after the prompt
-    assert layer.reranker.reranks.tolist() == [1, R + 1, 1, 1] and cache.stats.promoted > 0
+    assert layer.reranker.reranks.tolist() == [1, R + 1, 1, 1] and cache.stats.promoted_pages > 0
 
     more_k, more_v, more_q = torch.randn(B, H, 9, D), torch.randn(B, H, 9, D), torch.randn(B, H * G, 9, D)
     handle, _ = cache.update(more_k, more_v, 0)  # a follow-up chunk: positions 75..83
-    layer.attend(handle, more_q, None, scale)
+    cache.attend(handle, more_q, None, scale)
     history_k.append(more_k)
     k1, _, q1 = step()  # its step 0 re-ranks every head over every page
     history_k.append(k1)

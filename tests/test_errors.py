@@ -163,20 +163,20 @@ def test_reset_of_a_sized_cache_keeps_its_buffers_and_serves_like_a_new_one():
     cache = make()
     gen(fc, a, cache, n=12)
     layer = cache.layers[1]
-    ptrs = [t.data_ptr() for t in layer.buffers() + cache._state.tensors()]
+    ptrs = [t.data_ptr() for t in layer.buffers() + cache.layers[0].state.tensors()]
     cache.reset()
     assert cache.get_seq_length() == 0 and cache.stats.decode_steps == 0
     fresh = make()
     assert torch.equal(gen(fc, b, cache, n=12), gen(fc, b, fresh, n=12))
     assert cache.stats == fresh.stats and cache.memory_report()["tokens"] == fresh.memory_report()["tokens"]
-    assert [t.data_ptr() for t in layer.buffers() + cache._state.tensors()] == ptrs
+    assert [t.data_ptr() for t in layer.buffers() + cache.layers[0].state.tensors()] == ptrs
     for mine, new in zip(cache.layers, fresh.layers):  # every stored token and selection as a new cache's
         assert torch.equal(mine.gather_tokens(mine.seq_len)[0], new.gather_tokens(new.seq_len)[0])
-        assert torch.equal(mine.kmin, new.kmin) and torch.equal(mine.reranker.selected, new.reranker.selected)
+        assert torch.equal(mine.storage.kmin, new.storage.kmin) and torch.equal(mine.reranker.selected, new.reranker.selected)
     cache.reset()
     one = b[:1]
     assert torch.equal(gen(fc, one, cache, n=6), gen(fc, one, make(), n=6))  # another batch: allocated anew
-    assert cache.layers[1].batch == 1
+    assert cache.layers[1].storage.batch == 1
 
 
 def test_reset_empties_the_cache():

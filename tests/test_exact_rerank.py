@@ -103,10 +103,10 @@ class ExactCheck(SelectionObserver):
         layer = self.cache.layers[event.layer_idx]
         unstable = self.profile.unstable_heads(event.layer_idx)
         L, ps = layer.seq_len, layer.config.page_size
-        resident = layer.pool.full_tokens("k")[:, :, :L]  # [B, full_heads, L, D]: the unstable heads, in order
-        keys = torch.zeros(resident.shape[0], layer.num_kv_heads, L, resident.shape[-1])
-        keys[:, layer.full_heads] = resident.float()
-        mass = page_mass(event.query, keys, ps, layer.head_dim ** -0.5)
+        resident = layer.storage.pool.full_tokens("k")[:, :, :L]  # [B, full_heads, L, D]: the unstable heads, in order
+        keys = torch.zeros(resident.shape[0], layer.storage.num_kv_heads, L, resident.shape[-1])
+        keys[:, layer.storage.full_heads] = resident.float()
+        mass = page_mass(event.query, keys, ps, layer.storage.head_dim ** -0.5)
         heads = event.heads.tolist()
         for h in unstable:
             row = heads.index(h)
@@ -122,9 +122,8 @@ def test_unstable_heads_rank_by_the_exact_mass_beside_offloaded_stable_heads(mod
     prof = HeadProfile.from_unstable(fc.config, [(0, 1), (1, 0)])
     cfg = FlexiCacheConfig(page_size=8, token_budget=32, rerank_interval=4, group_score="mass", bound_shrink=0.5,
                            unstable_group_score="exact", offload=offload)
-    cache = FlexiCache(prof, cfg, model_config=fc.config)
-    check = ExactCheck(cache, prof)
-    cache.observer = check
+    check = ExactCheck(None, prof)
+    cache = check.cache = FlexiCache(prof, cfg, model_config=fc.config, observer=check)
     fc.generate(prompt, past_key_values=cache, max_new_tokens=10, min_new_tokens=10, do_sample=False,
                 pad_token_id=0, disable_compile=True)
     assert check.checked == 2 * 9  # two unstable heads, every decode step (the first token comes from the prompt)

@@ -62,7 +62,7 @@ def test_compiled_decode_equals_eager_in_one_graph(setup, offload):
     before = graphs()
     cache = make()
     out = run(fc, ids, mask, cache, 40, compiled=True)
-    assert cache._state.stale  # the decode steps ran compiled: the host learns their length lazily
+    assert cache.layers[0].state.stale  # the decode steps ran compiled: the host learns their length lazily
     assert torch.equal(out, eager)
     assert graphs() - before <= 1  # one program for every step (re-rank or not, new page or not)
     # a second cache of the same shapes reuses the compiled program

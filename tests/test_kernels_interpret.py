@@ -469,7 +469,7 @@ else:
         import dataclasses
 
         import flexicache_hf
-        import flexicache_hf.cache as cache_module
+        import flexicache_hf.layer.face as layer_module
         from flexicache_hf.kernels import REFERENCE_OPS
         from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -484,12 +484,12 @@ else:
         profile = flexicache_hf.HeadProfile.from_unstable(cfg, [(0, 0), (1, 1)])
         outs = {}
         for name, ops in (("reference", REFERENCE_OPS), ("triton", triton_ops)):
-            monkeypatch.setattr(cache_module, "ops_for", lambda device, prefer=None, ops=ops: ops)
+            monkeypatch.setattr(layer_module, "ops_for", lambda device, prefer=None, ops=ops: ops)
             cache = flexicache_hf.FlexiCache(profile, page_size=ps, token_budget=4 * ps, rerank_interval=R)
             with torch.no_grad():
                 outs[name] = model.generate(ids, max_new_tokens=2 * R + 3, min_new_tokens=2 * R + 3, do_sample=False,
                                             past_key_values=cache, output_logits=True, return_dict_in_generate=True)
-            assert cache.layers[0].pool.layout.slots == 4 + R // ps + 1
+            assert cache.layers[0].storage.pool.layout.slots == 4 + R // ps + 1
         assert torch.equal(outs["reference"].sequences, outs["triton"].sequences)
         for a, b in zip(outs["reference"].logits, outs["triton"].logits):
             assert rel_err(b, a) < 1e-4

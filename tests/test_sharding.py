@@ -42,12 +42,9 @@ def test_rank_holds_its_contiguous_block(heads, world, rank):
     assert list(shard.heads) == list(range(rank * local, (rank + 1) * local))
     every = range(heads)
     assert shard.to_local(every) == tuple(range(local))
-    assert [shard.to_global(i) for i in range(local)] == list(shard.heads)
     # the profile's unstable heads: those in the block, as local indices (sorted); the others are not this rank's
     unstable = {0, heads - 1, rank * local + local - 1}
     assert shard.to_local(unstable) == tuple(sorted(h - rank * local for h in unstable if h in shard.heads))
-    with pytest.raises(IndexError):
-        shard.to_global(local)
 
 
 def test_every_head_when_the_layer_holds_them_all():
@@ -115,7 +112,7 @@ def drive_layers(cache, local_heads: int, *, D=16, G=2, prompt=13, steps=6, seed
             keys, values = (k, v) if step == 0 else (torch.cat([hist[i][0], k], 2), torch.cat([hist[i][1], v], 2))
             hist[i] = keys, values
             handle, _ = cache.update(k, v, i)
-            out = layer.attend(handle, q, None, scale)
+            out = cache.attend(handle, q, None, scale)
             if T == 1:
                 want = dense_attention(q, keys, values, None, scale)
             else:
@@ -134,8 +131,8 @@ def test_cache_on_rank_one_of_two_maps_the_profile(monkeypatch):
     l0, l1 = cache.layers
     assert (l0.shard, l1.shard) == (HeadShard(4, 2, 2), HeadShard(4, 2, 2))
     # layer 0: global 2 (local 0) unstable, global 3 (local 1) stable; layer 1: global 3 (local 1) unstable
-    assert (l0.full_heads.tolist(), l0.slot_heads.tolist(), l0.reranker.unstable_host) == ([0], [1], (0,))
-    assert (l1.full_heads.tolist(), l1.slot_heads.tolist(), l1.reranker.unstable_host) == ([1], [0], (1,))
+    assert (l0.storage.full_heads.tolist(), l0.storage.slot_heads.tolist(), l0.reranker.unstable_host) == ([0], [1], (0,))
+    assert (l1.storage.full_heads.tolist(), l1.storage.slot_heads.tolist(), l1.reranker.unstable_host) == ([1], [0], (1,))
     assert cache.stats.head_steps == 6 * 2 * 2  # this rank's heads only
     cache.reset()  # initialised again from the profile's global heads, not from the local ones
     drive_layers(cache, 2, seed=1)
@@ -158,7 +155,7 @@ def test_cache_takes_the_tp_size_from_the_model_config(monkeypatch):
     drive_layers(cache, 2)
     assert [layer.shard.start for layer in cache.layers] == [2, 2]
     assert [layer.reranker.unstable_host for layer in cache.layers] == [(), ()]  # (0, 0) and (1, 1) are rank 0's
-    assert [layer.slot_heads.tolist() for layer in cache.layers] == [[0, 1], [0, 1]]
+    assert [layer.storage.slot_heads.tolist() for layer in cache.layers] == [[0, 1], [0, 1]]
 
 
 # ---- transformers' tensor parallelism, 2 ranks on CPU (gloo) -------------------------------------------------

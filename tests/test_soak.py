@@ -16,7 +16,7 @@ def test_a_dropped_cache_is_freed_without_the_cyclic_collector():
     cache = FlexiCache(HeadProfile.random(cfg, 0.5), page_size=4, token_budget=16, rerank_interval=3)
     ids = torch.randint(2, 96, (1, 30))
     fc.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False, past_key_values=cache)
-    gone, pages = weakref.ref(cache), weakref.ref(cache.layers[0].pool.k)
+    gone, pages = weakref.ref(cache), weakref.ref(cache.layers[0].storage.pool.k)
     gc.disable()
     try:
         del cache

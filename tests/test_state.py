@@ -6,7 +6,7 @@ import torch
 from conftest import tiny_config
 from flexicache_hf import FlexiCache
 from flexicache_hf.head_profile import HeadProfile
-from flexicache_hf.state import DecodeState
+from flexicache_hf.layer.schedule import DecodeState
 
 
 def test_eager_plan_and_device_state_agree_over_pages_and_reranks():

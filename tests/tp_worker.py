@@ -46,8 +46,8 @@ def main(model_dir: str, profile_path: str, out_dir: str) -> None:
         "dynamic": greedy(DynamicCache()),
         "cache_tp_size": told.tp_size,
         "layers": [
-            {"start": layer.shard.start, "count": layer.shard.count, "num_kv_heads": layer.num_kv_heads,
-             "full_heads": layer.full_heads.tolist(), "slot_heads": layer.slot_heads.tolist(),
+            {"start": layer.shard.start, "count": layer.shard.count, "num_kv_heads": layer.storage.num_kv_heads,
+             "full_heads": layer.storage.full_heads.tolist(), "slot_heads": layer.storage.slot_heads.tolist(),
              "reranker_unstable": list(layer.reranker.unstable_host)}
             for layer in told.layers
         ],

@@ -38,9 +38,9 @@ def promotion_share(model, ids: torch.Tensor, profile, *, budget: int, new_token
     st = cache.stats
     stable_reranks = st.head_reranks - len(profile.unstable) * st.decode_steps
     pages = budget // cfg.page_size
-    per = st.promoted / stable_reranks if stable_reranks else 0.0
+    per = st.promoted_pages / stable_reranks if stable_reranks else 0.0
     return {"budget": budget, "page_size": cfg.page_size, "budget_pages": pages, "decode_steps": st.decode_steps,
-            "stable_reranks": stable_reranks, "promoted_pages": st.promoted,
+            "stable_reranks": stable_reranks, "promoted_pages": st.promoted_pages,
             "promoted_per_stable_rerank": per, "replaced_share": per / pages}
 
 

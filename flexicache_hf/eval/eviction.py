@@ -220,9 +220,6 @@ class EvictionCache(Cache):
     def wants_query(self) -> bool:
         return any(layer.wants_query for layer in self.layers)
 
-    def stored_tokens(self) -> list[int]:
-        return [layer.stored() for layer in self.layers]
-
 
 def streaming_cache(num_layers: int, budget: int, sink: int = 4) -> EvictionCache:
     return EvictionCache([StreamingLayer(budget, sink) for _ in range(num_layers)])

@@ -83,7 +83,7 @@ class _Recorder(SelectionObserver):
         H, L = keys.shape[1], keys.shape[2]
         logits = torch.einsum("bhgd,bhld->bhgl", q.view(B, H, Hq // H, D), keys.float())
         logits = logits * self.scaling.get(event.layer_idx, D ** -0.5)
-        lo = int(layer.valid_lo[0])  # left padding (none for a single prompt, but be exact)
+        lo = int(layer.storage.valid_lo[0])  # left padding (none for a single prompt, but be exact)
         if lo:
             logits[..., :lo] = float("-inf")
         p = torch.softmax(logits, dim=-1)

@@ -38,7 +38,7 @@ def greedy(model, ids, cache, n=12):
 
 
 def host_tensors(cache):
-    return [t for layer in cache.layers for t in vars(layer.host).values()
+    return [t for layer in cache.layers for t in vars(layer.storage.host).values()
             if isinstance(t, torch.Tensor) and t.device.type == "cpu"]  # (not the CUDA aliases of the pinned pages)
 
 
@@ -49,7 +49,7 @@ def test_copied_cuda_cache_is_pinned_and_continues_like_the_original(models, how
     first = greedy(fc, torch.randint(2, 96, (2, 300), device="cuda"), cache)
     twin = copied(cache, how)
     assert host_tensors(twin) and all(t.is_pinned() for t in host_tensors(twin))
-    assert twin.layers[0].copies.stream is not cache.layers[0].copies.stream
+    assert twin.layers[0].storage.copies.stream is not cache.layers[0].storage.copies.stream
     follow = torch.cat([first, torch.randint(2, 96, (2, 20), device="cuda")], 1)
     assert torch.equal(greedy(fc, follow, twin), greedy(fc, follow, cache))
 

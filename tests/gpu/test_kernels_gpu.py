@@ -357,7 +357,7 @@ def test_flexicache_triton_matches_reference_end_to_end(dtype, steps, tol, ps, R
             out = model.generate(ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
                                  do_sample=False, past_key_values=cache, output_logits=True,
                                  return_dict_in_generate=True)
-        assert cache.layers[0].ops.name == ("reference" if kernels else "triton")
+        assert cache.layers[0].storage.ops.name == ("reference" if kernels else "triton")
         outs[kernels] = out
     ref, tri = outs["reference"], outs[None]
     for i, (a, b) in enumerate(zip(ref.logits, tri.logits)):

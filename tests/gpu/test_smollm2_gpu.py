@@ -50,7 +50,7 @@ def test_full_budget_matches_dense(smollm2_cuda, source):
     cache = FlexiCache(HeadProfile.random(model.config, 0.25, seed=doc_index), token_budget=4096,
                        model_config=model.config)
     toks_fc, logits_fc = _generate(model, ids, cache, 64)
-    assert cache.layers[0].ops.name == "triton"
+    assert cache.layers[0].storage.ops.name == "triton"
     model.set_attn_implementation("sdpa")
     try:
         toks_d, logits_d = _generate(model, ids, DynamicCache(), 64)

@@ -193,7 +193,7 @@ class DecodeState:
 class DeviceCounters:
     """Counts kept on the device (adding to them never synchronises); reading one does."""
 
-    NAMES = ("decode_steps", "promoted", "offloaded", "pages_attended")
+    NAMES = ("decode_steps", "promoted_pages", "offloaded_pages", "pages_attended")
 
     def __init__(self, device: torch.device):
         self.values = torch.zeros(len(self.NAMES), dtype=torch.long, device=device)
@@ -204,3 +204,19 @@ class DeviceCounters:
 
     def read(self) -> dict[str, int]:
         return dict(zip(self.NAMES, self.values.tolist()))
+
+
+def state_for_device(states: dict[str, DecodeState], device: torch.device, config, num_layers: int,
+                     capacity: int | None) -> DecodeState:
+    """The schedule in ``states`` (one per device a cache's layers live on; they hold the same values) for
+    ``device``, made on first use: the first one counts the decode steps, a later one (a model split by
+    ``device_map``, made during the first prompt forward) catches up with the first."""
+    key = str(device)
+    if key not in states:
+        first = not states
+        phases = tuple(config.rerank_phase(i) for i in range(num_layers))
+        state = DecodeState(device, config.page_size, config.rerank_interval, capacity, phases, counts_steps=first)
+        if not first:
+            state.follow(next(iter(states.values())))
+        states[key] = state
+    return states[key]

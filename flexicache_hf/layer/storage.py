@@ -1,0 +1,154 @@
+"""What one decoder layer stores: page pools, the host tier, the slot table, the MinMax cache, the copy stream.
+
+:class:`LayerStorage` is made for one batch, KV-head count, head dim, dtype and device (at the layer's first
+forward) and only holds, grows, selects rows and clears; the prompt and decode bodies (:mod:`.prefill`,
+:mod:`.decode`) write and read it.  Growth is told everything it needs by its caller (the cache's ``max_cache_len``,
+the host bytes the other layers hold): storage never asks its cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import FlexiCacheConfig
+from ..kernels import KernelOps
+from ..pages import PagePool, PoolLayout, grown_capacity, num_pages
+from ..tiers import CopyStream, HostTier, SlotTable, copy_context, offload_page
+
+
+class LayerStorage:
+    """Paged KV of one layer: every page of the device-resident heads, every token of the offloaded (stable) heads
+    on the host and their top-K in device slots, and the per-page key min/max of every head."""
+
+    def __init__(self, key_states: torch.Tensor, unstable: tuple[int, ...], config: FlexiCacheConfig,
+                 ops: KernelOps):
+        B, H, _, D = key_states.shape
+        self.config, self.ops = config, ops
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.batch, self.num_kv_heads, self.head_dim = B, H, D
+        slot_heads = tuple(h for h in range(H) if h not in set(unstable)) if config.offload else ()
+        full_heads = tuple(h for h in range(H) if h not in set(slot_heads))
+        as_index = lambda hs: torch.tensor(hs, dtype=torch.long, device=self.device)  # noqa: E731
+        self.slot_heads, self.full_heads = as_index(slot_heads), as_index(full_heads)
+        layout = PoolLayout(B, len(slot_heads), 0, len(full_heads), 0)  # sized by the first grow
+        self.pool = PagePool(layout, self.full_heads, self.slot_heads, H, config.page_size, D, self.dtype, self.device)
+        self.copies = CopyStream(self.device)
+        self.host = HostTier(B, len(slot_heads), config.page_size, D, self.dtype, self.device,
+                             config.host_memory_limit, self.copies, ops)
+        self.slots = SlotTable(self.pool, self.device)
+        self.kmin = torch.empty((B, H, 0, D), dtype=self.dtype, device=self.device)
+        self.kmax = torch.empty_like(self.kmin)
+        self.valid_lo = torch.zeros(B, dtype=torch.long, device=self.device)
+        self.padded = False  # whether any row has left padding (valid_lo > 0), known on the host
+        # [B, slot_heads] physical page of the newest page of the offloaded heads (valid once a token is in)
+        self.tail_phys = torch.zeros((B, len(slot_heads)), dtype=torch.long, device=self.device)
+        # A prompt chunk's offload runs on the copy stream while the next layers compute; the compute stream
+        # joins it only before it next touches this layer's slots (the following decode step).
+        self.copies_pending = False
+        self.prefetched = None  # (end, keys, values) of a prefix read started ahead (prefill.prefetch_prefix)
+        self.host_current = True  # the host tier holds every token of the offloaded heads (nothing to flush)
+
+    @property
+    def offloads(self) -> bool:
+        """Whether this layer has offloaded heads (host tier and slots in use)."""
+        return self.slot_heads.numel() > 0
+
+    @property
+    def page_capacity(self) -> int:
+        return self.pool.layout.page_capacity
+
+    def fits(self, key_states: torch.Tensor) -> bool:
+        """Whether this storage serves these states: same batch, heads, head dim, dtype and device."""
+        B, H, _, D = key_states.shape
+        return ((B, H, D) == (self.batch, self.num_kv_heads, self.head_dim) and key_states.dtype == self.dtype
+                and key_states.device == self.device)
+
+    # ---- room -------------------------------------------------------------------------------------------
+    def ensure_capacity(self, end: int, seq_len: int, max_tokens: int | None, host_elsewhere: int) -> None:
+        """Room for ``end`` tokens: everything sized once for ``max_tokens`` (``max_cache_len``) when given, else
+        grown with headroom (amortised O(1) per token).  ``host_elsewhere``: host bytes the cache's other layers
+        hold (the host cap is the cache's); ``seq_len``: tokens held now."""
+        ps = self.config.page_size
+        need = num_pages(end, ps)
+        if need <= self.page_capacity:
+            return
+        cap = num_pages(max_tokens, ps) if max_tokens is not None else grown_capacity(need, self.page_capacity)
+        self.host.grow(cap, host_elsewhere)  # first: it is the one that may refuse (host memory), before any change
+        # Offloaded heads never need more slots than pages exist, so short contexts do not pay for the budget.
+        slots = min(self.config.resident_slots, cap) if self.offloads else 0
+        self.pool.grow(cap, slots)
+        self.slots.relayout(self.pool)
+        self.find_tail(seq_len)
+        B, H, old, D = self.kmin.shape
+        pad = (B, H, cap - old, D)
+        self.kmin = torch.cat([self.kmin, self.kmin.new_full(pad, float("inf"))], dim=2)
+        self.kmax = torch.cat([self.kmax, self.kmax.new_full(pad, float("-inf"))], dim=2)
+
+    def find_tail(self, seq_len: int) -> None:
+        """Point ``tail_phys`` at the slots holding the newest page again (after the slots were re-laid)."""
+        if seq_len and self.offloads:
+            self.tail_phys.copy_(self.slots.phys_of((seq_len - 1) // self.config.page_size))
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every device tensor a decode step reads or writes here (fixed addresses once sized for max_cache_len)."""
+        bufs = [self.pool.k, self.pool.v, self.pool.table_buffer, self.kmin, self.kmax, self.valid_lo,
+                self.tail_phys, self.slot_heads, self.full_heads, self.slots.slot_page, self.slots.slot_phys]
+        if self.host.k_dev is not None:
+            bufs += [self.host.k_dev, self.host.v_dev]
+        return bufs
+
+    # ---- the copy stream --------------------------------------------------------------------------------
+    def join_copies(self) -> None:
+        """Make the compute stream wait for this layer's queued tier copies (no host synchronisation)."""
+        if self.copies_pending:
+            self.copies.hand_off()
+            self.copies_pending = False
+
+    def flush_newest_page(self, seq_len: int) -> None:
+        """Copy the newest page of the offloaded heads to the host while it is partly filled: decode tokens
+        go to its device slot only (a page is offloaded once, when it fills), so until then the host lacks them."""
+        ps = self.config.page_size
+        if not self.host_current and seq_len % ps and self.offloads:
+            with copy_context(self.copies):
+                offload_page(self.ops, self.pool, self.host, (seq_len - 1) // ps, self.tail_phys)
+        self.host_current = True
+
+    # ---- rows and emptying ------------------------------------------------------------------------------
+    def clear(self) -> None:
+        """As new, in place: the MinMax cache empty, no slot holds a page, no padding, nothing queued."""
+        self.kmin.fill_(float("inf"))
+        self.kmax.fill_(float("-inf"))
+        if self.offloads:
+            self.slots.clear()
+        self.tail_phys.zero_()
+        self.valid_lo.zero_()
+        self.padded, self.host_current, self.copies_pending = False, True, False
+        self.prefetched = None
+
+    def select_rows(self, index: torch.Tensor, seq_len: int) -> None:
+        """Keep rows ``index`` (device int64; beam reorder / batch expansion), copying their pages."""
+        self.join_copies()
+        old = self.pool.layout
+        B = index.numel()
+        new = PoolLayout(B, old.num_slot_heads, old.slots, old.num_full_heads, old.page_capacity)
+        pool = PagePool(new, self.full_heads, self.slot_heads, self.num_kv_heads, self.config.page_size,
+                        self.head_dim, self.dtype, self.device)
+        for name in ("k", "v"):
+            src, dst = getattr(self.pool, name), getattr(pool, name)
+            if old.full_base > 1:  # the slot region
+                dst[1 : new.full_base] = src[1 : old.full_base].view(old.batch, -1, *src.shape[1:])[index].flatten(0, 1)
+            dst[new.full_base :] = src[old.full_base :].view(old.batch, -1, *src.shape[1:])[index].flatten(0, 1)
+        self.pool, self.batch = pool, B
+        slot_page = self.slots.slot_page[index]
+        self.slots = SlotTable(pool, self.device)
+        self.slots.set_pages(slot_page)
+        if self.host.k is not None:
+            self.host.select_rows(index)
+        self.host.batch = B
+        self.kmin, self.kmax, self.valid_lo = self.kmin[index], self.kmax[index], self.valid_lo[index]
+        self.tail_phys = torch.zeros((B, self.slot_heads.numel()), dtype=torch.long, device=self.device)
+        self.find_tail(seq_len)
+
+    def nbytes(self) -> int:
+        """Device bytes held: pages (null page and slack included), page table, MinMax cache."""
+        return self.pool.nbytes() + self.kmin.nbytes + self.kmax.nbytes

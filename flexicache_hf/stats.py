@@ -1,0 +1,36 @@
+"""What a FlexiCache did so far: decode steps, re-ranks, pages moved between the tiers (``cache.stats``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .layer.schedule import DeviceCounters
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """What one cache did so far (``cache.stats``: a snapshot; reading it synchronises with the device)."""
+
+    decode_steps: int = 0
+    prompt_tokens: int = 0
+    pages_attended: int = 0  # sum over decode steps, layers, rows and KV heads of listed pages (count_pages=True)
+    head_reranks: int = 0  # (layer, KV head) re-rank events
+    head_steps: int = 0  # (layer, KV head) decode steps
+    promoted_pages: int = 0  # pages loaded from the host tier into device slots
+    offloaded_pages: int = 0  # pages written to the host tier during decode (per row/head)
+
+
+def cache_stats(layers, states: dict, prompt_tokens: int) -> CacheStats:
+    """The statistics of a cache's ``layers`` and their step schedules ``states`` (reads the device counters)."""
+    if not states:
+        return CacheStats(prompt_tokens=prompt_tokens)
+    c = {name: 0 for name in DeviceCounters.NAMES}
+    for state in states.values():  # decode steps are counted by the first device's only
+        for name, value in state.counters.read().items():
+            c[name] += value
+    live = [layer for layer in layers if layer.is_initialized]
+    return CacheStats(
+        decode_steps=c["decode_steps"], prompt_tokens=prompt_tokens, pages_attended=c["pages_attended"],
+        head_reranks=sum(int(layer.reranker.reranks.sum()) for layer in live),
+        head_steps=c["decode_steps"] * sum(layer.storage.num_kv_heads for layer in live),
+        promoted_pages=c["promoted_pages"], offloaded_pages=c["offloaded_pages"])
