@@ -6,11 +6,18 @@ import types
 import pytest
 import torch
 
-from flexicache_hf.bench import generate as g
+from flexicache_hf.bench.generate.cli import build_parser, fit_prompt
+from flexicache_hf.bench.generate.clock import MARK, StepClock, _pct, summarise
+from flexicache_hf.bench.generate.device import error_record, kv_bytes
+from flexicache_hf.bench.generate.report import add_ratios, format_table
+from flexicache_hf.bench.generate.rows import attn_impl, check_rows, expand_rows, is_compiled, probe_key
+from flexicache_hf.bench.generate.run import prefill_in_chunks
+from flexicache_hf.bench.generate.search import search_largest
+from flexicache_hf.bench.generate.trace import gpu_busy, split_events, top_kernels, union_length
 
 
 def clock_with(stamps, t0=0.0):
-    c = g.StepClock()
+    c = StepClock()
     c.t0, c.stamps = t0, list(stamps)
     return c
 
@@ -18,10 +25,10 @@ def clock_with(stamps, t0=0.0):
 # ---- summarise / percentiles --------------------------------------------------------------------------------
 def test_pct_nearest_rank():
     xs = list(range(1, 101))  # 1..100
-    assert g._pct(xs, 0.0) == 1 and g._pct(xs, 1.0) == 100
-    assert g._pct(xs, 0.5) in (50, 51) and g._pct(xs, 0.99) == 99
-    assert g._pct([7.0], 0.99) == 7.0
-    assert g._pct([3, 1, 2], 0.5) == 2  # sorts first
+    assert _pct(xs, 0.0) == 1 and _pct(xs, 1.0) == 100
+    assert _pct(xs, 0.5) in (50, 51) and _pct(xs, 0.99) == 99
+    assert _pct([7.0], 0.99) == 7.0
+    assert _pct([3, 1, 2], 0.5) == 2  # sorts first
 
 
 def test_summarise_ttft_and_steps():
@@ -29,7 +36,7 @@ def test_summarise_ttft_and_steps():
     stamps = [0.5]
     for ms in [10] * 97 + [50] * 2:
         stamps.append(stamps[-1] + ms / 1e3)
-    r = g.summarise(clock_with(stamps))
+    r = summarise(clock_with(stamps))
     assert r["ttft_s"] == pytest.approx(0.5) and r["tokens"] == 100
     assert r["first_step_ms"] == pytest.approx(10) and r["median_step_ms"] == pytest.approx(10)
     assert r["max_step_ms"] == pytest.approx(50) and r["p99_step_ms"] == pytest.approx(50)
@@ -38,44 +45,66 @@ def test_summarise_ttft_and_steps():
 
 
 def test_summarise_one_token_has_no_steps():
-    r = g.summarise(clock_with([0.25]))
+    r = summarise(clock_with([0.25]))
     assert r["ttft_s"] == pytest.approx(0.25) and "median_step_ms" not in r
 
 
 def test_step_clock_stops_after():
-    c = g.StepClock(stop_after=2)
+    c = StepClock(stop_after=2)
     ids = torch.zeros(3, 4, dtype=torch.long)
     c.stamps = [1.0]
     assert not c.stop(ids, None).any()
     c.stamps.append(2.0)
     assert c.stop(ids, None).all() and c.stop(ids, None).shape == (3,)
-    assert not g.StepClock().stop(ids, None).any()  # measured calls never stop early
+    assert not StepClock().stop(ids, None).any()  # measured calls never stop early
 
 
 # ---- rows ---------------------------------------------------------------------------------------------------
 def test_rows_expand_and_classify():
-    rows = g.expand_rows(["dynamic", "static", "flexicache", "flexicache-graph"], ["sdpa", "eager", "flex_attention"])
+    rows = expand_rows(["dynamic", "static", "flexicache", "flexicache-graph"], ["sdpa", "eager", "flex_attention"])
     assert rows == ["dynamic", "static", "static-eager", "static-flex_attention", "flexicache", "flexicache-graph"]
-    assert g.expand_rows(["static", "static-eager"], ["eager"]) == ["static-eager"]  # no duplicates
-    assert g.check_rows(rows) == [] and g.check_rows(["nope", "static-", "dynamic"]) == ["nope", "static-"]
-    assert [g.attn_impl(r) for r in rows] == ["sdpa", "sdpa", "eager", "flex_attention", "flexicache", "flexicache"]
-    assert [g.is_compiled(r) for r in rows] == [False, True, True, True, False, True]
-    assert not g.is_compiled("offloaded") and not g.is_compiled("flexicache-again")
-    assert g.probe_key("flexicache-graph", False) == "flexicache"
-    assert g.probe_key("flexicache-graph", True) == "flexicache-graph" and g.probe_key("static", False) == "static"
+    assert expand_rows(["static", "static-eager"], ["eager"]) == ["static-eager"]  # no duplicates
+    assert check_rows(rows) == [] and check_rows(["nope", "static-", "dynamic"]) == ["nope", "static-"]
+    assert [attn_impl(r) for r in rows] == ["sdpa", "sdpa", "eager", "flex_attention", "flexicache", "flexicache"]
+    assert [is_compiled(r) for r in rows] == [False, True, True, True, False, True]
+    assert not is_compiled("offloaded") and not is_compiled("flexicache-again")
+    assert probe_key("flexicache-graph", False) == "flexicache"
+    assert probe_key("flexicache-graph", True) == "flexicache-graph" and probe_key("static", False) == "static"
 
 
 def test_fit_prompt_and_kv_bytes():
-    assert g.fit_prompt(8192, 256, 8192) == 7936  # SmolLM2's 8192 positions
-    assert g.fit_prompt(16384, 256, 131072) == 16384 and g.fit_prompt(100, 10, None) == 100
+    assert fit_prompt(8192, 256, 8192) == 7936  # SmolLM2's 8192 positions
+    assert fit_prompt(16384, 256, 131072) == 16384 and fit_prompt(100, 10, None) == 100
     cfg = types.SimpleNamespace(num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, hidden_size=4096)
-    assert g.kv_bytes(cfg, 1, 1) == 2 * 32 * 8 * 128 * 2  # 128 KiB per token for Llama-3.1-8B
-    assert g.kv_bytes(cfg, 16, 30720) == pytest.approx(64.4e9, rel=0.01)
+    assert kv_bytes(cfg, 1, 1) == 2 * 32 * 8 * 128 * 2  # 128 KiB per token for Llama-3.1-8B
+    assert kv_bytes(cfg, 16, 30720) == pytest.approx(64.4e9, rel=0.01)
+
+
+def test_cli_flags_and_defaults():
+    """The flags a recorded command line uses, with the defaults runs were measured at (``meta["args"]``)."""
+    from pathlib import Path
+
+    args = vars(build_parser().parse_args([]))
+    assert args == {
+        "model": "llama8b", "gguf": None, "cases": "1x16384,16x16384,16x30720",
+        "rows": "dynamic,static,offloaded,flexicache,flexicache-graph", "static_variants": "sdpa",
+        "static_prefill_chunk": 0, "prefill_chunk": 0, "new_tokens": 256, "offloaded_tokens": 16, "budget": 1024,
+        "rerank_interval": 16, "stagger_reranks": False, "group_score": "max", "page_size": 16, "bound_shrink": 1.0,
+        "unstable_group_score": None, "unstable_fraction": None, "profile_steps": 0, "largest_batch": None,
+        "probe_tokens": 16, "probe_start": 16, "probe_step": 8, "max_probes": 8, "probe_compiled": False,
+        "host_limit_gb": None, "followup": False, "followup_tokens": 512, "followup_repeats": 5,
+        "out": Path(__file__).resolve().parents[1] / "docs" / "benchmarks", "tag": None}
+    args = build_parser().parse_args("--cases 1x16384,16x16384 --rows flexicache-graph,static-sdpa_grouped "
+                                     "--static-variants sdpa_grouped --new-tokens 128".split())
+    assert (args.cases, args.rows, args.static_variants, args.new_tokens) == (
+        "1x16384,16x16384", "flexicache-graph,static-sdpa_grouped", "sdpa_grouped", 128)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--model", "llama70b"])
 
 
 def test_error_record():
-    assert g.error_record(torch.OutOfMemoryError("CUDA out of memory. Tried 13 GiB"))["error"] == "out of memory"
-    r = g.error_record(ValueError("flex_attention is not supported\nmore"))
+    assert error_record(torch.OutOfMemoryError("CUDA out of memory. Tried 13 GiB"))["error"] == "out of memory"
+    r = error_record(ValueError("flex_attention is not supported\nmore"))
     assert r["error"] == "ValueError: flex_attention is not supported" and "\n" not in r["detail"]
 
 
@@ -90,49 +119,49 @@ def capacity(cap, log=None):
 
 def test_search_doubles_then_bisects_to_step():
     log = []
-    best, tried = g.search_largest(capacity(44, log))
+    best, tried = search_largest(capacity(44, log))
     assert best == 40 and log == [16, 32, 64, 48, 40]
     assert tried == {16: True, 32: True, 64: False, 48: False, 40: True}
 
 
 @pytest.mark.parametrize("cap", range(0, 128))
 def test_search_exact_below_128_within_budget(cap):
-    best, tried = g.search_largest(capacity(cap))
+    best, tried = search_largest(capacity(cap))
     assert len(tried) <= 8
     assert best == (cap // 8 * 8 if cap >= 8 else (1 if cap >= 1 else 0))
 
 
 @pytest.mark.parametrize("cap", [128, 200, 255, 300, 1000, 5000, 10 ** 6])
 def test_search_bounded_and_sound(cap):
-    best, tried = g.search_largest(capacity(cap))
+    best, tried = search_largest(capacity(cap))
     assert len(tried) <= 8 and best <= cap and tried.get(best, True)
     assert best >= min(cap, 1024) // 2  # within the last doubling at worst
 
 
 def test_search_first_failure_and_budget():
-    best, tried = g.search_largest(capacity(12))  # 16 fails: bisect from 0 -> 8
+    best, tried = search_largest(capacity(12))  # 16 fails: bisect from 0 -> 8
     assert best == 8 and list(tried) == [16, 8]
-    best, tried = g.search_largest(capacity(3))
+    best, tried = search_largest(capacity(3))
     assert best == 1 and list(tried) == [16, 8, 1]
-    best, tried = g.search_largest(capacity(0))
+    best, tried = search_largest(capacity(0))
     assert best == 0 and list(tried) == [16, 8, 1]
-    best, tried = g.search_largest(capacity(10 ** 9), max_probes=3)
+    best, tried = search_largest(capacity(10 ** 9), max_probes=3)
     assert best == 64 and list(tried) == [16, 32, 64]
     with pytest.raises(ValueError):
-        g.search_largest(capacity(10), max_probes=0)
+        search_largest(capacity(10), max_probes=0)
 
 
 def test_search_non_monotone_does_not_loop():
     calls = []
-    best, tried = g.search_largest(lambda b: calls.append(b) or b in (16, 48), max_probes=8)
+    best, tried = search_largest(lambda b: calls.append(b) or b in (16, 48), max_probes=8)
     assert len(calls) == len(set(calls)) <= 8 and tried[best] is True
 
 
 # ---- profile: GPU busy fraction -------------------------------------------------------------------------------
 def test_union_length():
-    assert g.union_length([]) == 0
-    assert g.union_length([(0, 10), (5, 15), (20, 30), (30, 31), (40, 40)]) == 26
-    assert g.union_length([(20, 30), (0, 100)]) == 100
+    assert union_length([]) == 0
+    assert union_length([(0, 10), (5, 15), (20, 30), (30, 31), (40, 40)]) == 26
+    assert union_length([(20, 30), (0, 100)]) == 100
 
 
 def test_gpu_busy_window_and_counts():
@@ -143,7 +172,7 @@ def test_gpu_busy_window_and_counts():
         t = i * 10 * ms
         dev += [(t, t + 3 * ms, "kernel"), (t + 2 * ms, t + 5 * ms, "kernel"), (t + 6 * ms, t + 7 * ms, "memcpy")]
     dev.append((-5 * ms, 31 * ms, "kernel"))  # the prefill: clipped to 30..31 ms, inside step 3's first kernel
-    r = g.gpu_busy(dev, marks, graph_launches=[35 * ms, 45 * ms, 200 * ms])
+    r = gpu_busy(dev, marks, graph_launches=[35 * ms, 45 * ms, 200 * ms])
     assert r["profile_window_steps"] == 7
     assert r["gpu_busy_fraction"] == pytest.approx(7 * 6 / 70)  # per step: kernels 0..5 ms (union), memcpy 1 ms
     assert r["kernels_per_step"] == pytest.approx(14 / 7) and r["memcpy_per_step"] == pytest.approx(1)
@@ -153,9 +182,9 @@ def test_gpu_busy_window_and_counts():
 
 def test_gpu_busy_errors():
     with pytest.raises(ValueError, match="step markers"):
-        g.gpu_busy([(0, 1, "kernel")], [0, 1, 2])
+        gpu_busy([(0, 1, "kernel")], [0, 1, 2])
     with pytest.raises(ValueError, match="no CUDA"):
-        g.gpu_busy([(0, 1, "kernel")], [10, 20, 30, 40, 50])
+        gpu_busy([(0, 1, "kernel")], [10, 20, 30, 40, 50])
 
 
 class FakeKineto:
@@ -171,14 +200,14 @@ class FakeKineto:
 
 
 def test_split_events_kineto_and_function_events():
-    ev = [FakeKineto(g.MARK, "CPU", 10, 10, "user_annotation", True),
+    ev = [FakeKineto(MARK, "CPU", 10, 10, "user_annotation", True),
           FakeKineto("gemm", "CUDA", 11, 15, "kernel"),
           FakeKineto("Memcpy HtoD (Pinned -> Device)", "CUDA", 15, 16, "gpu_memcpy"),
           FakeKineto("Memset (Device)", "CUDA", 16, 17, "gpu_memset"),
           FakeKineto("## Call CompiledFxGraph ##", "CUDA", 0, 100, "gpu_user_annotation", True),
           FakeKineto("cudaGraphLaunch", "CPU", 12, 13, "cuda_runtime"),
           FakeKineto("aten::mm", "CPU", 11, 12, "cpu_op")]
-    dev, marks, launches = g.split_events(ev)
+    dev, marks, launches = split_events(ev)
     assert dev == [(11, 15, "kernel"), (15, 16, "memcpy"), (16, 17, "memset")]
     assert marks == [10] and launches == [12]
     # an older torch: no activity_type, kinds from the names; FunctionEvents with times in us
@@ -186,9 +215,9 @@ def test_split_events_kineto_and_function_events():
                                 time_range=types.SimpleNamespace(start=1.0, end=2.0)),
           types.SimpleNamespace(name="triton_poi_fused", device_type="DeviceType.CUDA",
                                 time_range=types.SimpleNamespace(start=2.0, end=4.0)),
-          types.SimpleNamespace(name=g.MARK, device_type="DeviceType.CPU",
+          types.SimpleNamespace(name=MARK, device_type="DeviceType.CPU",
                                 time_range=types.SimpleNamespace(start=0.5, end=0.5))]
-    dev, marks, _ = g.split_events(fe)
+    dev, marks, _ = split_events(fe)
     assert dev == [(1e3, 2e3, "memcpy"), (2e3, 4e3, "kernel")] and marks == [500.0]
 
 
@@ -209,7 +238,7 @@ def results():
 
 def test_add_ratios():
     rs = results()
-    g.add_ratios(rs)
+    add_ratios(rs)
     by = {(r["case"], r["row"]): r for r in rs}
     fg = by["1x16384", "flexicache-graph"]
     assert fg["median_vs_dynamic"] == pytest.approx(0.1) and fg["median_vs_best_static"] == pytest.approx(0.5)
@@ -222,8 +251,8 @@ def test_add_ratios():
 
 def test_format_table():
     rs = results()
-    g.add_ratios(rs)
-    text = g.format_table(rs)
+    add_ratios(rs)
+    text = format_table(rs)
     head, *lines = text.splitlines()
     for col in ("TTFT s", "med ms", "p99 ms", "dec tok/s", "peak GB", "pin GB", "med/dyn", "med/static"):
         assert col in head
@@ -239,12 +268,12 @@ def test_format_table():
 
 def test_format_table_columns_line_up():
     rs = results()
-    g.add_ratios(rs)
-    head, *lines = g.format_table(rs).splitlines()
+    add_ratios(rs)
+    head, *lines = format_table(rs).splitlines()
     rows = [l for l in lines if l.startswith(("1x16384", "16x30720")) and "error" not in l]
     assert len({len(l) for l in rows} | {len(head)}) == 1  # "-" cells padded like numbers
     long = [{"case": "1x1", "row": "static-x", "error": "ValueError: " + "y" * 500}]
-    assert len(g.format_table(long).splitlines()[1]) < 160
+    assert len(format_table(long).splitlines()[1]) < 160
 
 
 def test_top_kernels_rank_by_time_in_window():
@@ -255,16 +284,16 @@ def test_top_kernels_rank_by_time_in_window():
         t = i * 10 * ms
         dev += [(t, t + 1 * ms, "kernel", "small"), (t + 1 * ms, t + 2 * ms, "kernel", "small"),
                 (t + 2 * ms, t + 5 * ms, "kernel", "gemm" + "x" * 100)]
-    top = g.top_kernels(dev, marks)
+    top = top_kernels(dev, marks)
     assert [k["name"] for k in top] == ["gemm" + "x" * 76, "small"]
     assert top[0]["ms_per_step"] == pytest.approx(3) and top[1]["count_per_step"] == pytest.approx(2)
-    assert g.top_kernels(dev, marks[:2]) == []
-    assert g.gpu_busy(dev, marks)["kernels_per_step"] == pytest.approx(3)  # 4-tuples accepted
+    assert top_kernels(dev, marks[:2]) == []
+    assert gpu_busy(dev, marks)["kernels_per_step"] == pytest.approx(3)  # 4-tuples accepted
 
 
 def test_split_events_with_names():
     ev = [FakeKineto("gemm", "CUDA", 11, 15, "kernel")]
-    assert g.split_events(ev, names=True)[0] == [(11, 15, "kernel", "gemm")]
+    assert split_events(ev, names=True)[0] == [(11, 15, "kernel", "gemm")]
 
 
 # ---- the static-sdpa_grouped row's attention: exact against transformers' sdpa --------------------------------
@@ -345,7 +374,7 @@ def test_prefill_in_chunks_then_generate_gives_the_one_shot_tokens():
         want = model.generate(ids, past_key_values=DynamicCache(), **kw)
         model.set_attn_implementation(grouped_sdpa.NAME)
         cache = StaticCache(config=model.config, max_cache_len=64)
-        g.prefill_in_chunks(model, ids, cache, 16)  # 36 tokens: chunks of 16, 16 and 4
+        prefill_in_chunks(model, ids, cache, 16)  # 36 tokens: chunks of 16, 16 and 4
         assert int(cache.get_seq_length()) == ids.shape[1] - 1
         got = model.generate(ids, past_key_values=cache, **kw)
     assert torch.equal(got, want)

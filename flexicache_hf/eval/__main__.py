@@ -1,11 +1,12 @@
-"""CLI: run a named configuration (on its model: SmolLM2-135M-Instruct unless the configuration or ``--model``
-names another) and write the report into ``--out``."""
+"""CLI: run a grid (a canonical or archived grid's name, or a grid JSON file) on its model (SmolLM2-135M-Instruct
+unless the grid or --model names another) and write the report into --out."""
 
 from __future__ import annotations
 
 import argparse
 import shlex
 import sys
+import textwrap
 from pathlib import Path
 
 import torch
@@ -13,7 +14,7 @@ import torch
 import flexicache_hf  # noqa: F401  (registers attn_implementation="flexicache")
 
 from . import report, runner
-from .grids import PARTS, named_configs, only
+from .grids import ARCHIVE, CANONICAL, PARTS, UNRUN_FOLDER, archived_grids, describe, load_grid, only
 
 from ..models import HUB_NAMES
 
@@ -22,9 +23,22 @@ from ..models import HUB_NAMES
 TITLES = {key: hub.rsplit("/", 1)[-1] for key, hub in HUB_NAMES.items()}
 
 
+def grids_help() -> str:
+    """The canonical grids with a line each, then where the archived ones live and their names."""
+    width = max(map(len, CANONICAL))
+    lines = ["canonical grids (--config NAME):"] + [f"  {name:<{width}}  {describe(name)}" for name in CANONICAL]
+    lines += ["", f"archived grids: JSON beside their results, {ARCHIVE}/<results folder>/grid.json",
+              f"(a grid without results: {UNRUN_FOLDER}/<name>.json there); --config takes a name or a path:"]
+    lines += textwrap.wrap(", ".join(sorted(archived_grids())), 110, initial_indent="  ", subsequent_indent="  ",
+                           break_on_hyphens=False)
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m flexicache_hf.eval", description=__doc__)
-    ap.add_argument("--config", choices=sorted(named_configs()), default="tiny")
+    ap = argparse.ArgumentParser(prog="python -m flexicache_hf.eval", description=__doc__, epilog=grids_help(),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="tiny", metavar="GRID",
+                    help="a grid's name (canonical or archived, listed below) or the path of a grid JSON file")
     ap.add_argument("--part", choices=PARTS, default="all",
                     help="run only the reach curve and tasks, or only fidelity (one configuration in two sittings)")
     ap.add_argument("--out", type=Path, required=True, help="directory for results.json, report.md, figures")
@@ -47,7 +61,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from ..models import canonical_name, load_model
 
-    cfg = only(named_configs()[args.config](), args.part)
+    try:
+        cfg = only(load_grid(args.config), args.part)
+    except ValueError as e:
+        ap.error(str(e))
     name = args.model or cfg.model
     key = canonical_name(name)
     torch.manual_seed(cfg.seed)

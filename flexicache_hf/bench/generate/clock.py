@@ -1,0 +1,52 @@
+"""The step clock: a logits processor that stamps every generated token, and the summary of one call's stamps."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+MARK = "flexicache_bench.step"  # the profiler marker the step clock drops at every stamp
+
+
+class StepClock:
+    """Logits processor: synchronise and stamp every generated token; stop after ``stop_after`` if given.
+
+    With ``mark`` it also drops a zero-length ``record_function`` marker at each stamp (for ``--profile-steps``).
+    """
+
+    def __init__(self, stop_after: int | None = None, mark: bool = False):
+        self.stamps: list[float] = []
+        self.stop_after = stop_after
+        self.mark = mark
+        self.t0 = time.perf_counter()
+
+    def __call__(self, input_ids, scores):
+        torch.cuda.synchronize()
+        self.stamps.append(time.perf_counter())
+        if self.mark:
+            with torch.profiler.record_function(MARK):
+                pass
+        return scores
+
+    def stop(self, input_ids, scores, **kwargs):  # a StoppingCriteria (warm-up calls only)
+        done = self.stop_after is not None and len(self.stamps) >= self.stop_after
+        return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
+
+
+def summarise(clock: StepClock) -> dict:
+    """The first stamp is the time to first token (the prefill), the differences the decode steps."""
+    s = clock.stamps
+    steps = [1e3 * (b - a) for a, b in zip(s, s[1:])]
+    out = {"ttft_s": s[0] - clock.t0, "tokens": len(s), "total_s": s[-1] - clock.t0,
+           "tokens_per_s": len(s) / (s[-1] - clock.t0)}
+    if steps:
+        out.update(first_step_ms=steps[0], median_step_ms=statistics.median(steps), p99_step_ms=_pct(steps, 0.99),
+                   max_step_ms=max(steps), decode_tokens_per_s=len(steps) / (s[-1] - s[0]))
+    return out

@@ -1,0 +1,100 @@
+"""What surrounds a row on the device and the host: error records, host-memory limits, pinned-memory and compile
+counters, and freeing what a row left before the next one."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import torch
+
+
+def error_record(e: BaseException) -> dict:
+    if isinstance(e, torch.OutOfMemoryError):
+        kind = "out of memory"
+    else:
+        kind = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+    return {"error": kind, "detail": (str(e).splitlines() or [""])[0][:500]}
+
+
+def kv_bytes(config, batch: int, tokens: int, elt: int = 2) -> int:
+    """Dense K + V bytes of ``batch`` rows of ``tokens`` tokens (all layers, bf16)."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * heads * head_dim * elt * batch * tokens
+
+
+def default_host_limit_gb() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return 0.7 * int(line.split()[1]) * 1024 / 1e9
+    except OSError:
+        pass
+    try:
+        return 0.7 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    except (ValueError, OSError, AttributeError):
+        return 0.0
+
+
+class HostLimitError(RuntimeError):
+    """A row's host memory would exceed ``--host-limit-gb`` (refused before running)."""
+
+
+def pinned_stats() -> dict:
+    st = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
+    return {"pinned_bytes": st.get("allocated_bytes.current", 0), "pinned_allocs": st.get("num_host_alloc", 0),
+            "pinned_locked": st.get("allocated_bytes.allocated", 0)}  # bytes ever page-locked
+
+
+def empty_host_cache() -> None:
+    """Release cached (unused) pinned host blocks: those of another shape are never reused."""
+    fn = (getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+          or getattr(torch._C, "_host_emptyCache", None))
+    if fn is not None:
+        try:
+            fn()
+        except RuntimeError:
+            pass
+
+
+def dynamo_counts() -> tuple[int, dict]:
+    """(unique dynamo graphs so far, inductor cudagraph counters)."""
+    try:
+        from torch._dynamo.utils import counters
+    except Exception:  # noqa: BLE001  (no dynamo: nothing compiled)
+        return 0, {}
+    return int(counters["stats"]["unique_graphs"]), {k: v for k, v in counters["inductor"].items() if "cudagraph" in k}
+
+
+def cudagraph_recordings() -> int | None:
+    """CUDA graphs cudagraph trees recorded so far on the current device (None when unknown)."""
+    try:
+        from torch._inductor.cudagraph_trees import get_manager
+
+        manager = get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+        return 0 if manager is None else int(repr(manager.graph_counter)[len("count("):-1])
+    except Exception:  # noqa: BLE001  (a private counter: report nothing rather than fail the row)
+        return None
+
+
+def release(model, *, compiled: bool) -> None:
+    """Free what a row left: its objects, the storage FlexiCache keeps from its last cache, cached blocks and,
+    after a compiled row, the compiled code and graphs."""
+    from ... import release_storage
+
+    gc.collect()
+    release_storage()
+    if compiled:
+        from torch import _dynamo
+
+        _dynamo.reset()  # also resets the CUDA-graph trees (their memory pools)
+        for attr in ("_compiled_call", "_last_compile_config", "_cache", "_previous_max_cache_length"):
+            model.__dict__.pop(attr, None)
+        gc.collect()
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    except RuntimeError as e:  # a sticky CUDA error: the rows after this one will record it
+        print(f"release: {e}", flush=True)
