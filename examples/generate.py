@@ -1,7 +1,7 @@
 """Generate with FlexiCache on a model you already load with transformers.
 
-    python examples/generate.py                      # the embedded SmolLM2 (CPU is fine)
-    python examples/generate.py --model PATH --profile Llama-3.1-8B-Instruct --device cuda --dtype bfloat16
+    .venv/bin/python examples/generate.py                      # the embedded SmolLM2 (CPU is fine)
+    .venv/bin/python examples/generate.py --model PATH --profile Llama-3.1-8B-Instruct --device cuda --dtype bfloat16
 
 The cache is sized for the prompt + the new tokens (``max_cache_len``, as for StaticCache), so on CUDA
 ``generate`` compiles and CUDA-graphs its decode step (the first call of a process spends a while compiling);

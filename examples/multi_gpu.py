@@ -1,8 +1,8 @@
 """FlexiCache on a model split across devices: nothing changes but how the model is loaded.
 
-    python examples/multi_gpu.py --split device_map                          # accelerate: layers spread over GPUs
-    torchrun --nproc-per-node 2 examples/multi_gpu.py --split tp             # transformers tensor parallelism
-    python examples/multi_gpu.py --split device_map --model PATH --profile Llama-3.1-8B-Instruct --dtype bfloat16
+    .venv/bin/python examples/multi_gpu.py --split device_map                # accelerate: layers spread over GPUs
+    .venv/bin/torchrun --nproc-per-node 2 examples/multi_gpu.py --split tp   # transformers tensor parallelism
+    .venv/bin/python examples/multi_gpu.py --split device_map --model PATH --profile Llama-3.1-8B-Instruct --dtype bfloat16
 
 ``device_map="auto"``: one FlexiCache spans every device; each layer's pools, MinMax cache, host tier and copy
 stream live on the device of that layer's key states (one step schedule per device, advanced by layer 0).

@@ -1,6 +1,6 @@
 """One FlexiCache reused across turns of a conversation (transformers' convention for cache reuse).
 
-    python examples/multi_turn.py
+    .venv/bin/python examples/multi_turn.py
 """
 
 from flexicache_hf import FlexiCache

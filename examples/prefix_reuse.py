@@ -1,6 +1,6 @@
 """One long prompt prefilled once, then deep-copied for each question (transformers' prefix-reuse pattern).
 
-    python examples/prefix_reuse.py            # the embedded SmolLM2 on the CPU
+    .venv/bin/python examples/prefix_reuse.py            # the embedded SmolLM2 on the CPU
 
 The shared prefix (a document) goes through the model once into a FlexiCache; every question then starts
 from ``copy.deepcopy`` of that cache, so only the question's tokens are prefilled and the answers never see

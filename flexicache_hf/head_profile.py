@@ -15,6 +15,7 @@ import os
 import random as _random
 import re
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Iterable, Mapping
@@ -393,10 +394,22 @@ class HeadProfile:
 
 
 # ---- finding shipped profiles ------------------------------------------------
-def _profiles_dir(profiles_dir: str | os.PathLike | None) -> Path:
-    if profiles_dir is not None:
-        return Path(profiles_dir)
+def shipped_profiles_dir() -> Path:
+    """The folder of the profiles that ship with flexicache_hf.
+
+    The repository keeps them in its top-level ``profiles/`` folder; the package reaches them as its resource
+    folder ``flexicache_hf/profiles``: in a checkout (and an editable install) a symbolic link to that folder, in a
+    wheel a copy of its files made at build time (``package_data`` in ``setup.cfg``).  A checkout whose link did not
+    survive (a file system without symbolic links) falls back to the top-level folder beside the package.
+    """
+    packaged = resources.files(__name__.partition(".")[0]) / "profiles"
+    if isinstance(packaged, Path) and packaged.is_dir():
+        return packaged
     return Path(__file__).resolve().parent.parent / "profiles"
+
+
+def _profiles_dir(profiles_dir: str | os.PathLike | None) -> Path:
+    return shipped_profiles_dir() if profiles_dir is None else Path(profiles_dir)
 
 
 def available_profiles(profiles_dir: str | os.PathLike | None = None) -> dict[str, Path]:
