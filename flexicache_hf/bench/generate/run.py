@@ -4,6 +4,7 @@ profiled call and the multi-turn follow-up."""
 from __future__ import annotations
 
 import gc
+import hashlib
 import statistics
 import time
 
@@ -84,6 +85,8 @@ def generate_once(model, ids, row: str, args, new: int, *, profile=None, stop_af
     out = model.generate(ids, **kw)
     torch.cuda.synchronize()
     res = summarise(clock)
+    # The generated tokens' digest: two runs (two versions of the code) decoded the same tokens iff it matches.
+    res["tokens_sha1"] = hashlib.sha1(out[:, ids.shape[1]:].cpu().numpy().tobytes()).hexdigest()[:16]
     after = pinned_stats()
     graphs1, cg1 = dynamo_counts()
     rec1 = cudagraph_recordings()
@@ -98,8 +101,8 @@ def generate_once(model, ids, row: str, args, new: int, *, profile=None, stop_af
     if cg:
         res["cudagraph_counters_added"] = cg
     if row.startswith("flexicache"):
-        # storage_taken: a new cache took a dropped one's storage at its first forward (recycling.py)
-        res.update(storage_taken=not passed_in and cache.storage_reused, promoted_pages=cache.stats.promoted_pages(),
+        # storage_reused: a new cache took a dropped one's storage at its first forward (recycling.py)
+        res.update(storage_reused=not passed_in and cache.storage_reused, promoted_pages=cache.stats.promoted_pages,
                    host_tier_bytes=cache.host_bytes(),
                    device_kv_bytes=cache.device_bytes(), dense_kv_bytes=cache.dense_bytes(),
                    cache_is_compileable=bool(cache.is_compileable))
