@@ -186,6 +186,46 @@ def test_the_cache_goes_in_under_the_name_this_transformers_takes():
     assert pipe.last_cache.get_seq_length() == 5 + 3
 
 
+def test_forward_callers_pass_the_cache_under_the_name_the_forward_takes():
+    """transformers 5.40 drops the model forward's ``past_key_values=`` (5.24 takes ``cache=`` and warns on the old
+    name): the eval harness and the benchmark's chunked prefill call the forward under the name the installed
+    release takes, and no forward call of the package or the examples spells the old name."""
+    import ast
+    import inspect
+    import pathlib
+    import warnings
+
+    from flexicache_hf.bench.generate.run import prefill_in_chunks
+    from flexicache_hf.eval.decoding import greedy as eval_greedy
+    from flexicache_hf.hf_compat import forward_cache_kwarg
+
+    cfg = tiny_config("llama", heads=4, kv_heads=2)
+    fc, dense = twin_models(cfg)
+    name = forward_cache_kwarg(fc)
+    assert name in inspect.signature(inspect.unwrap(type(fc).forward)).parameters
+    real = fc.forward
+
+    def forward_of_this_release(*args, **kwargs):  # refuses the old name where the forward has the new one
+        if name == "cache" and "past_key_values" in kwargs:
+            raise TypeError("forward() got an unexpected keyword argument 'past_key_values'")
+        return real(*args, **kwargs)
+
+    fc.forward = forward_of_this_release
+    ids = torch.randint(2, 96, (1, 30))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        rows = eval_greedy(fc, ids, FlexiCache(HeadProfile.random(cfg, 0.25), **FULL), 6)
+        cache = FlexiCache(HeadProfile.random(cfg, 0.25), **FULL)
+        prefill_in_chunks(fc, ids, cache, 8)
+    assert rows[0] == greedy(dense, ids, DynamicCache(), n=6)[0, 30:].tolist()
+    assert cache.get_seq_length() == 29
+    root = pathlib.Path(__file__).resolve().parent.parent
+    for path in [*root.joinpath("flexicache_hf").rglob("*.py"), *root.joinpath("examples").glob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and not (isinstance(node.func, ast.Attribute) and node.func.attr == "generate"):
+                assert "past_key_values" not in [k.arg for k in node.keywords], f"{path.name}:{node.lineno}"
+
+
 @pytest.mark.slow
 def test_smollm2_full_budget_equals_dense_on_corpus_prompt(smollm2):
     from flexicache_hf.data import long_prompt

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from ...hf_compat import generate_cache_kwarg
+from ...hf_compat import forward_cache_kwarg, generate_cache_kwarg
 from .clock import StepClock, summarise
 from .device import (HostLimitError, cudagraph_recordings, dynamo_counts, empty_host_cache, error_record, kv_bytes,
                      pinned_stats, release)
@@ -123,7 +123,7 @@ def prefill_in_chunks(model, ids: torch.Tensor, cache, chunk: int) -> None:
         for start in range(0, end, chunk):
             stop = min(start + chunk, end)
             model(input_ids=ids[:, start:stop], attention_mask=torch.ones_like(ids[:, :stop]),
-                  past_key_values=cache, use_cache=True, logits_to_keep=1)
+                  **{forward_cache_kwarg(model): cache}, use_cache=True, logits_to_keep=1)
 
 
 def profile_decode(model, ids, row, args, profile) -> dict:
