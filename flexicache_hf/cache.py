@@ -27,7 +27,7 @@ from .kernels import MAX_SELECT_PAGES
 from .layer import FlexiCacheLayer, LayerSpec
 from .layer.schedule import DecodeState, state_for_device
 from .model_check import check_served
-from .stats import CacheStats, cache_stats
+from .stats import CacheStats, cache_stats, memory_report
 from .recycling import KEEPER, storage_key
 from .rerank import SelectionObserver
 
@@ -194,7 +194,8 @@ class FlexiCache(Cache):
 
         If it began on an empty cache nothing of value is lost: the cache is emptied and serves the next call as
         a new one.  Otherwise it raises :class:`CacheStateError` naming the earlier failure, until :meth:`reset`.
-        """
+        Another thread's forward under way is refused (``ConcurrentUseError``)."""
+        self.guard.check_thread()
         if self.guard.open:
             if not self.guard.began_empty:
                 raise self.guard.stopped_error()
@@ -262,6 +263,7 @@ class FlexiCache(Cache):
 
     def reset(self) -> None:
         """Empty every layer (the cache is then as new: statistics too; the profile and config stay)."""
+        self.guard.check_thread()
         super().reset()
         self.guard.clear()
         self.prompt_tokens = 0
@@ -323,9 +325,7 @@ class FlexiCache(Cache):
     def memory_report(self) -> dict:
         """Device / host bytes held now, against what ``DynamicCache`` would hold for the same tokens."""
         self.sync()
-        dev, dense = self.device_bytes(), self.dense_bytes()
-        return {"tokens": self.get_seq_length(), "device_bytes": dev, "host_bytes": self.host_bytes(),
-                "dense_bytes": dense, "device_saving": 1 - dev / dense if dense else 0.0}
+        return memory_report(self.layers, self.get_seq_length())
 
     def __repr__(self) -> str:
         c = self.config

@@ -34,3 +34,12 @@ def cache_stats(layers, states: dict, prompt_tokens: int) -> CacheStats:
         head_reranks=sum(int(layer.reranker.reranks.sum()) for layer in live),
         head_steps=c["decode_steps"] * sum(layer.storage.num_kv_heads for layer in live),
         promoted_pages=c["promoted_pages"], offloaded_pages=c["offloaded_pages"])
+
+
+def memory_report(layers, tokens: int) -> dict:
+    """Device / host bytes ``layers`` hold now (holding ``tokens`` tokens), against what ``DynamicCache`` would hold
+    for the same tokens."""
+    dev, host = sum(layer.device_bytes() for layer in layers), sum(layer.host_bytes() for layer in layers)
+    dense = sum(layer.dense_bytes() for layer in layers)
+    return {"tokens": tokens, "device_bytes": dev, "host_bytes": host, "dense_bytes": dense,
+            "device_saving": 1 - dev / dense if dense else 0.0}

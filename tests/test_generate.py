@@ -266,6 +266,50 @@ def test_two_caches_two_models_in_threads():
     assert torch.equal(got["a"], want_a) and torch.equal(got["b"], want_b)
 
 
+def test_one_cache_two_threads_refuses_the_second_while_the_first_runs():
+    """A thread that reaches a cache while another thread's forward through it is under way gets a clear
+    ConcurrentUseError (generate, a forward, get_seq_length, reset, a copy), changing nothing: the first thread's
+    generation is exact, and the cache serves the second thread once the first is done."""
+    import copy
+    import threading
+
+    from flexicache_hf import ConcurrentUseError
+
+    cfg = tiny_config("llama", heads=4, kv_heads=2, layers=3)
+    fc, _ = twin_models(cfg)
+    make = lambda: FlexiCache(HeadProfile.random(cfg, 0.25), page_size=4, token_budget=16, rerank_interval=2)  # noqa: E731
+    cache = make()
+    ids, other = torch.randint(2, 96, (1, 40)), torch.randint(2, 96, (1, 21))
+    want = greedy(fc, ids, make())
+    inside, go = threading.Event(), threading.Event()
+    calls = []
+
+    def pause(*_):  # the first thread's decode step waits between layers 1 and 2 until the main thread is done
+        calls.append(1)
+        if len(calls) == 5:
+            inside.set()
+            go.wait(60)
+
+    hook = fc.model.layers[1].mlp.register_forward_hook(pause)
+    got = {}
+    worker = threading.Thread(target=lambda: got.setdefault("out", greedy(fc, ids, cache)))
+    worker.start()
+    try:
+        assert inside.wait(60)
+        for attempt in (lambda: greedy(fc, other, cache), lambda: fc(other, past_key_values=cache),
+                        cache.get_seq_length, cache.reset, lambda: copy.deepcopy(cache)):
+            with pytest.raises(ConcurrentUseError, match="in use by another thread"):
+                attempt()
+    finally:
+        go.set()
+        worker.join(60)
+        hook.remove()
+    assert torch.equal(got["out"], want)
+    cache.reset()  # the first thread is done: the cache serves this one
+    assert torch.equal(greedy(fc, other, cache), greedy(fc, other, make()))
+    assert cache.get_seq_length() == 21 + 23
+
+
 def test_stored_tokens_equal_dynamic_cache_after_decode_and_follow_up_chunk():
     """Every stored token, wherever it lives, equals DynamicCache's after a prompt, decode steps that leave the
     newest page partly filled, and a follow-up chunk that crosses pages (the multi-turn path)."""
