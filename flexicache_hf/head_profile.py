@@ -395,13 +395,8 @@ class HeadProfile:
 
 # ---- finding shipped profiles ------------------------------------------------
 def shipped_profiles_dir() -> Path:
-    """The folder of the profiles that ship with flexicache_hf.
-
-    The repository keeps them in its top-level ``profiles/`` folder; the package reaches them as its resource
-    folder ``flexicache_hf/profiles``: in a checkout (and an editable install) a symbolic link to that folder, in a
-    wheel a copy of its files made at build time (``package_data`` in ``setup.cfg``).  A checkout whose link did not
-    survive (a file system without symbolic links) falls back to the top-level folder beside the package.
-    """
+    """The shipped profiles: the package's resource folder ``flexicache_hf/profiles`` (in a checkout a link to the
+    top-level ``profiles/``, in a wheel a copy made at build time), else the top-level folder beside the package."""
     packaged = resources.files(__name__.partition(".")[0]) / "profiles"
     if isinstance(packaged, Path) and packaged.is_dir():
         return packaged

@@ -12,6 +12,12 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
+from flexicache_hf.kernels._util import interpreting  # noqa: E402 - after the skip without Triton
+
+if interpreting():
+    pytest.skip("TRITON_INTERPRET=1 defines the kernels as interpreter functions, which Triton does not compile "
+                "to PTX", allow_module_level=True)
+
 
 def ptx_of(kernel, signature: dict, constexprs: dict, num_warps: int, aligned: tuple[str, ...]) -> str:
     """PTX of ``kernel`` for sm_90; ``aligned``: the arguments a launch sees as multiples of 16 (Triton specialises

@@ -115,7 +115,7 @@ if not INTERPRETED:
 else:
     from flexicache_hf.kernels import reference as R
     from flexicache_hf.kernels.append import append_token
-    from flexicache_hf.kernels.gpu import GPU_OPS
+    from flexicache_hf.kernels import TRITON_OPS
     from flexicache_hf.kernels.minmax import minmax_update
     from flexicache_hf.kernels.page_lse import page_lse
     from flexicache_hf.kernels.scores import page_scores
@@ -137,8 +137,8 @@ else:
         return (torch.full((B, H, cap, D), float("inf"), dtype=dtype),
                 torch.full((B, H, cap, D), float("-inf"), dtype=dtype))
 
-    def test_gpu_ops_table():
-        assert GPU_OPS.name == "triton" and GPU_OPS.sparse_decode.eager is sparse_decode
+    def test_triton_ops_table():
+        assert TRITON_OPS.name == "triton" and TRITON_OPS.sparse_decode.eager is sparse_decode
 
     # ---- minmax_update ---------------------------------------------------------------------------------
     @pytest.mark.parametrize("dtype", DTYPES)
@@ -267,13 +267,13 @@ else:
         """The Reranker's split scoring (unstable heads by the full bound's group maximum, stable ones by the mass
         of a shrunk box) on the Triton kernels: the same scores and the same selection as on the reference's."""
         from flexicache_hf.kernels import REFERENCE_OPS
-        from flexicache_hf.kernels.gpu import GPU_OPS
+        from flexicache_hf.kernels import TRITON_OPS
         from flexicache_hf.rerank import Reranker
 
         q, kmin, kmax, n = decode_step_scores_inputs(5)
         B, H = kmin.shape[0], kmin.shape[1]
         got = []
-        for ops in (GPU_OPS, REFERENCE_OPS):
+        for ops in (TRITON_OPS, REFERENCE_OPS):
             r = Reranker(B, H, (1, 2), 4, 1, torch.device("cpu"), stable_scoring=("mass", 0.5),
                          unstable_scoring=("max", 1.0))
             scores = r.rerank(ops, q, kmin, kmax, n, due=torch.tensor(True), scale=0.125)
@@ -478,7 +478,7 @@ else:
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation="flexicache").eval()
         triton_ops = dataclasses.replace(
-            GPU_OPS, name="reference", minmax_update=minmax_update, copy_pages=REFERENCE_OPS.copy_pages,
+            TRITON_OPS, name="reference", minmax_update=minmax_update, copy_pages=REFERENCE_OPS.copy_pages,
             copy_kv_pages=REFERENCE_OPS.copy_kv_pages, copy_rows=REFERENCE_OPS.copy_rows)
         ids = torch.randint(0, 64, (1, 12 * ps))
         profile = flexicache_hf.HeadProfile.from_unstable(cfg, [(0, 0), (1, 1)])

@@ -326,7 +326,7 @@ def decode_sweep(sets, m: ModelShape, B: int, L: int, budget: int, ceiling: floa
 # ---- the run ---------------------------------------------------------------------------------------------------
 def run(batches, contexts, budgets, R: int, unstable_frac: float, out_dir: Path, dtype: torch.dtype,
         sweep_at: tuple[int, int] | None) -> dict:
-    from flexicache_hf.kernels.gpu import GPU_OPS as ops
+    from flexicache_hf.kernels import TRITON_OPS as ops
 
     m = ModelShape(dtype=dtype)
     torch.manual_seed(0)

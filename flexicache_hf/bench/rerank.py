@@ -7,7 +7,7 @@
   ``((R-1) * t(unstable) + t(all)) / R``.
 
 Also times ``select_pages`` through the Triton kernel and through ``torch.topk`` + ``sort`` (the reference)
-at the same shapes: the evidence behind ``GPU_OPS.select_pages``.  Timing as in
+at the same shapes: the evidence behind ``TRITON_OPS.select_pages``.  Timing as in
 :mod:`flexicache_hf.bench.decode` (CUDA graphs and eager, medians, L2-sized input rotation).
 
 Writes ``rerank.json`` and ``rerank.png`` to ``--out`` (default ``docs/benchmarks/``), prints a table last.
@@ -27,7 +27,7 @@ from .decode import DEFAULT_OUT, ModelShape, timed
 
 def run(batches, context: int, budget: int, R: int, unstable_frac: float, out_dir: Path, dtype: torch.dtype) -> dict:
     from flexicache_hf.kernels import reference
-    from flexicache_hf.kernels.gpu import GPU_OPS as ops
+    from flexicache_hf.kernels import TRITON_OPS as ops
     from flexicache_hf.kernels.select import select_pages_triton
 
     m = ModelShape(dtype=dtype)

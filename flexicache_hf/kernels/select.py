@@ -14,10 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import MAX_SELECT_PAGES, reference
+from . import reference
 from ._util import num_sms, pow2
-
-MAX_PAGES = MAX_SELECT_PAGES  # longest score row one program holds (see select_pages)
 
 
 @triton.jit(do_not_specialize=["K", "h"])
@@ -118,7 +116,7 @@ def select_pages(
     num_pages: torch.Tensor | None = None,  # [1] int64 pages per row (None: P)
     active: torch.Tensor | None = None,  # [h] bool rows to select (with ``out``)
     out: torch.Tensor | None = None,  # [B, h, k] int64 written in place (active rows only)
-    max_pages: int = MAX_PAGES,
+    max_pages: int = reference.MAX_SELECT_PAGES,
 ) -> torch.Tensor:  # [B, h, k] int64, ascending page ids, -1 padded at the end
     """Same contract as :func:`reference.select_pages` (ties at the threshold: lowest page ids win).
 

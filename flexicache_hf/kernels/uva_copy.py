@@ -128,8 +128,9 @@ class _TorchStream:
 class PageCopier:
     """``copy_pages`` / ``copy_kv_pages`` with their compiled kernel cached on this object, one per device.
 
-    ``GPU_OPS`` owns one instance (its bound methods), so the NVRTC compile happens once per
-    process and device, on first use; a lock makes the first use safe from several threads.
+    The module's ``copy_pages`` / ``copy_kv_pages`` are one instance's bound methods (the CUDA twins of the kernel
+    table), so the NVRTC compile happens once per process and device, on first use; a lock makes the first use
+    safe from several threads.
 
     Args:
         host_grid: blocks for copies that touch pinned host memory (PCIe-bound; 32 measured to saturate).
@@ -269,3 +270,10 @@ class PageCopier:
                    np.uint64(0 if dst2 is None else dst2.data_ptr()), np.uint64(0 if src2 is None else src2.data_ptr()))
         # di / si, when freshly moved, were allocated on this same stream: the caching allocator will not
         # hand their memory out again before the kernels queued here have run, so no record_stream needed.
+
+
+# The CUDA twins of the kernel table: one copier per process (created when the CUDA backend first imports this
+# module), so its compiled kernels live as long as the process.
+_COPIER = PageCopier()
+copy_pages = _COPIER.copy_pages
+copy_kv_pages = _COPIER.copy_kv_pages

@@ -109,7 +109,7 @@ def test_full_budget_equals_sdpa(group, D, dtype, B, L, ps):
 @pytest.mark.parametrize("combine", ["max", "mass"])
 def test_minmax_scores_select_match_reference(dtype, H, group, D, combine):
     from flexicache_hf.kernels import reference as R
-    from flexicache_hf.kernels.gpu import GPU_OPS
+    from flexicache_hf.kernels import TRITON_OPS
     from flexicache_hf.kernels.select import select_pages_triton
 
     torch.manual_seed(0)
@@ -121,13 +121,13 @@ def test_minmax_scores_select_match_reference(dtype, H, group, D, combine):
     mm[1].fill_(float("-inf"))
     ref = [m.clone() for m in mm]
     for a, b in ((0, T), (T, T + 1), (T + 1, T + 2), (T + 2, T + 3)):  # a long prompt, then decode steps
-        GPU_OPS.minmax_update(*mm, keys[:, :, a:b], a, valid_lo, ps)
+        TRITON_OPS.minmax_update(*mm, keys[:, :, a:b], a, valid_lo, ps)
         R.minmax_update(*ref, keys[:, :, a:b], a, valid_lo, ps)
     assert torch.equal(mm[0], ref[0]) and torch.equal(mm[1], ref[1])
     n = -(-(T + 3) // ps)
     q = torch.randn(B, H * group, D, device=DEV, dtype=dtype)
     for heads in (torch.tensor([1, H - 2], device=DEV), torch.arange(H, device=DEV)):
-        s = GPU_OPS.page_scores(q, *mm, heads, n, None, combine, D ** -0.5)
+        s = TRITON_OPS.page_scores(q, *mm, heads, n, None, combine, D ** -0.5)
         s_ref = R.page_scores(q, *ref, heads, n, None, combine, D ** -0.5)
         assert torch.equal(torch.isneginf(s), torch.isneginf(s_ref))
         fin = torch.isfinite(s_ref)
@@ -135,7 +135,7 @@ def test_minmax_scores_select_match_reference(dtype, H, group, D, combine):
         torch.testing.assert_close(s[fin], s_ref[fin], **tol)
         for k in (64, 128, 1000):
             assert torch.equal(select_pages_triton(s_ref, k), R.select_pages(s_ref, k)), k
-        shrunk = GPU_OPS.page_scores(q, *mm, heads, n, None, combine, D ** -0.5, 0.5)  # bound_shrink
+        shrunk = TRITON_OPS.page_scores(q, *mm, heads, n, None, combine, D ** -0.5, 0.5)  # bound_shrink
         shrunk_ref = R.page_scores(q, *ref, heads, n, None, combine, D ** -0.5, 0.5)
         assert torch.equal(torch.isneginf(shrunk), torch.isneginf(shrunk_ref))
         torch.testing.assert_close(shrunk[fin], shrunk_ref[fin], **tol)
@@ -149,30 +149,30 @@ def test_page_lse_and_exact_mass_match_reference(group, D, dtype, L):
     the reference at Qwen's and Llama's group geometry, with left padding, spare capacity and a null page of NaN
     that a stray read would show; and the group mass made from it."""
     from flexicache_hf.kernels import reference as R
-    from flexicache_hf.kernels.gpu import GPU_OPS
+    from flexicache_hf.kernels import TRITON_OPS
 
     B, H, ps = 2, 2, 16
     q, k_pool, _, table, P = paged(B, H, group, D, ps, L, dtype, seed=group * D + L)
     valid_lo = torch.tensor([0, 37], device=DEV)
     n, length = torch.tensor([P], device=DEV), torch.tensor([L], device=DEV)
     for heads in (torch.tensor([1], device=DEV), torch.tensor([1, 0], device=DEV)):
-        lse = GPU_OPS.page_lse(q, k_pool, table, heads, n, valid_lo, length, D ** -0.5)
+        lse = TRITON_OPS.page_lse(q, k_pool, table, heads, n, valid_lo, length, D ** -0.5)
         ref = R.page_lse(q, k_pool, table, heads, n, valid_lo, length, D ** -0.5)
         assert torch.equal(torch.isneginf(lse), torch.isneginf(ref)) and not lse.isnan().any()
         fin = torch.isfinite(ref)
         torch.testing.assert_close(lse[fin], ref[fin], rtol=1e-4, atol=1e-3 if dtype == torch.float32 else 3e-2)
-        mass = R.exact_page_mass(q, k_pool, table, heads, n, valid_lo, length, D ** -0.5, lse=GPU_OPS.page_lse)
+        mass = R.exact_page_mass(q, k_pool, table, heads, n, valid_lo, length, D ** -0.5, lse=TRITON_OPS.page_lse)
         want = R.exact_page_mass(q, k_pool, table, heads, n, valid_lo, length, D ** -0.5)
         assert torch.equal(torch.isneginf(mass), torch.isneginf(want))
         torch.testing.assert_close(mass[torch.isfinite(want)], want[torch.isfinite(want)], rtol=2e-2, atol=1e-5)
 @pytest.mark.parametrize("P,k", [(625, 64), (1875, 128), (2048, 130), (40, 64), (20000, 64)])
 def test_select_pages_large(P, k):
     from flexicache_hf.kernels import reference as R
-    from flexicache_hf.kernels.gpu import GPU_OPS
+    from flexicache_hf.kernels import TRITON_OPS
 
     s = torch.randn(40, 8, P, device=DEV)
     s[3, 2, : P // 3] = float("-inf")
-    assert torch.equal(GPU_OPS.select_pages(s, k), R.select_pages(s, k))
+    assert torch.equal(TRITON_OPS.select_pages(s, k), R.select_pages(s, k))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -235,7 +235,7 @@ def test_slot_kernels_match_reference_at_llama_scale(K):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_copy_pages_host_device_exact(dtype):
-    from flexicache_hf.kernels.gpu import GPU_OPS
+    from flexicache_hf.kernels import TRITON_OPS
 
     ps, D, n_host, n_dev = 16, 128, 3000, 700
     host = torch.randn(n_host, ps, D).to(dtype).pin_memory()
@@ -252,7 +252,7 @@ def test_copy_pages_host_device_exact(dtype):
     side = torch.cuda.Stream(priority=0)  # the cache copies on a low-priority side stream
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        GPU_OPS.copy_pages(dev, dst_i.to(DEV), host, src_i.to(DEV))  # host -> device, indices on the device
+        TRITON_OPS.copy_pages(dev, dst_i.to(DEV), host, src_i.to(DEV))  # host -> device, indices on the device
     side.synchronize()
     assert torch.equal(dev, want)
 
@@ -261,7 +261,7 @@ def test_copy_pages_host_device_exact(dtype):
     d_i = torch.randperm(n_host, generator=g)[:m]
     s_i = torch.randperm(n_dev, generator=g)[:m]
     d_i[1::5] = -1
-    GPU_OPS.copy_pages(host2, d_i.to(DEV), dev, s_i.to(DEV))
+    TRITON_OPS.copy_pages(host2, d_i.to(DEV), dev, s_i.to(DEV))
     torch.cuda.synchronize()
     want2 = torch.zeros_like(host2)
     kk = d_i >= 0
@@ -272,7 +272,7 @@ def test_copy_pages_host_device_exact(dtype):
     big_src = torch.randn(10_000, ps, D, device=DEV).to(dtype)
     big_dst = torch.zeros(10_000, ps, D, device=DEV, dtype=dtype)
     perm = torch.randperm(10_000, device=DEV)
-    GPU_OPS.copy_pages(big_dst, perm, big_src, torch.arange(10_000, device=DEV))
+    TRITON_OPS.copy_pages(big_dst, perm, big_src, torch.arange(10_000, device=DEV))
     torch.cuda.synchronize()
     assert torch.equal(big_dst[perm], big_src)
 
@@ -281,9 +281,9 @@ def test_copy_pages_host_device_exact(dtype):
 def test_copy_kv_pages_both_pools_in_one_launch(dtype):
     """copy_kv_pages: the K and V pools at the same indices, host -> device and device -> host, with skipped
     entries; exactly two copy_pages calls' result, through the kernel (not the torch fallback)."""
-    from flexicache_hf.kernels.gpu import GPU_OPS
+    from flexicache_hf.kernels import TRITON_OPS
 
-    copier = GPU_OPS.copy_kv_pages.eager.__self__
+    copier = TRITON_OPS.copy_kv_pages.eager.__self__
     ps, D, n_host, n_dev, m = 16, 128, 900, 300, 200
     g = torch.Generator().manual_seed(1)
     hk, hv = (torch.randn(n_host, ps, D, generator=g).to(dtype).pin_memory() for _ in range(2))
@@ -295,12 +295,12 @@ def test_copy_kv_pages_both_pools_in_one_launch(dtype):
     keep = dst_i >= 0
     want_k[dst_i[keep].to(DEV)] = hk[src_i[keep]].to(DEV)
     want_v[dst_i[keep].to(DEV)] = hv[src_i[keep]].to(DEV)
-    GPU_OPS.copy_kv_pages(dk, dv, dst_i.to(DEV), hk, hv, src_i.to(DEV))
+    TRITON_OPS.copy_kv_pages(dk, dv, dst_i.to(DEV), hk, hv, src_i.to(DEV))
     torch.cuda.synchronize()
     assert copier.unavailable is None, copier.unavailable
     assert torch.equal(dk, want_k) and torch.equal(dv, want_v)
     back_k, back_v = (torch.zeros(n_host, ps, D, dtype=dtype).pin_memory() for _ in range(2))
-    GPU_OPS.copy_kv_pages(back_k, back_v, src_i.to(DEV), dk, dv, dst_i.clamp_min(0).to(DEV))
+    TRITON_OPS.copy_kv_pages(back_k, back_v, src_i.to(DEV), dk, dv, dst_i.clamp_min(0).to(DEV))
     torch.cuda.synchronize()
     assert torch.equal(back_k[src_i], dk[dst_i.clamp_min(0).to(DEV)].cpu())
     assert torch.equal(back_v[src_i], dv[dst_i.clamp_min(0).to(DEV)].cpu())
@@ -308,13 +308,13 @@ def test_copy_kv_pages_both_pools_in_one_launch(dtype):
 
 def test_copy_pages_uses_the_kernel():
     """Pinned host <-> device copies must take the cuda-python path, not the torch fallback."""
-    from flexicache_hf.kernels.gpu import GPU_OPS
+    from flexicache_hf.kernels import TRITON_OPS
 
-    copier = GPU_OPS.copy_pages.__self__
+    copier = TRITON_OPS.copy_pages.__self__
     host = torch.randn(4, 16, 64).pin_memory()
     dev = torch.zeros(4, 16, 64, device=DEV)
     assert copier.usable(dev, host) is not None, copier.unavailable
-    GPU_OPS.copy_pages(dev, torch.tensor([2, 0], device=DEV), host, torch.tensor([1, 3], device=DEV))
+    TRITON_OPS.copy_pages(dev, torch.tensor([2, 0], device=DEV), host, torch.tensor([1, 3], device=DEV))
     torch.cuda.synchronize()
     assert copier.unavailable is None and copier._kernels, copier.unavailable  # compiled once, cached
     assert torch.equal(dev[2].cpu(), host[1]) and torch.equal(dev[0].cpu(), host[3])
@@ -369,7 +369,7 @@ def test_flexicache_triton_matches_reference_end_to_end(dtype, steps, tol, ps, R
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_copy_rows_device_host_both_ways_through_the_driver(dtype):
     """A prompt chunk into a strided range of the pinned host tier, and a prefix back (cuMemcpy2DAsync)."""
-    from flexicache_hf.kernels.gpu import GPU_OPS
+    from flexicache_hf.kernels import TRITON_OPS
     from flexicache_hf.kernels.row_copy import RowCopier
 
     B, H, cap, D, start, T = 3, 5, 300, 128, 37, 211
@@ -378,14 +378,14 @@ def test_copy_rows_device_host_both_ways_through_the_driver(dtype):
     side = torch.cuda.Stream(priority=0)
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        GPU_OPS.copy_rows(host[:, :, start:start + T], src)
+        TRITON_OPS.copy_rows(host[:, :, start:start + T], src)
     side.synchronize()
-    copier = GPU_OPS.copy_rows.__self__
+    copier = TRITON_OPS.copy_rows.__self__
     assert copier.unavailable is None, copier.unavailable
     assert torch.equal(host[:, :, start:start + T], src.cpu())
     assert not host[:, :, :start].any() and not host[:, :, start + T:].any()
     back = torch.empty(B, H, start + T, D, device=DEV, dtype=dtype)
-    GPU_OPS.copy_rows(back, host[:, :, :start + T])
+    TRITON_OPS.copy_rows(back, host[:, :, :start + T])
     torch.cuda.synchronize()
     assert torch.equal(back.cpu(), host[:, :, :start + T])
     per_run = torch.zeros_like(host)

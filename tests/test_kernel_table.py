@@ -1,0 +1,95 @@
+"""The kernel table: one row per kernel gives both backends their fields and the decode step its custom ops."""
+
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flexicache_hf.kernels import KERNELS, REFERENCE_OPS, KernelOps, ops_for, ops_named, reference
+from flexicache_hf.kernels.table import OPS
+
+# The ops' schemas are what a compiled decode step is traced against: they change only on purpose.
+SCHEMAS = {
+    "append_token": "(Tensor(a0!) k_pool, Tensor(a1!) v_pool, Tensor(a2!) kmin, Tensor(a3!) kmax, Tensor key, "
+                    "Tensor value, Tensor rows, Tensor page) -> ()",
+    "page_scores": "(Tensor query, Tensor kmin, Tensor kmax, Tensor heads, Tensor num_pages, Tensor active, "
+                   "str combine, float scale, float shrink) -> Tensor",
+    "page_lse": "(Tensor query, Tensor k_pool, Tensor page_table, Tensor heads, Tensor num_pages, Tensor valid_lo, "
+                "Tensor seq_len, float scale) -> Tensor",
+    "select_pages": "(Tensor scores, SymInt k, Tensor num_pages, Tensor active, Tensor(a4!) out) -> ()",
+    "sparse_decode": "(Tensor query, Tensor k_pool, Tensor v_pool, Tensor page_table, Tensor pages, "
+                     "Tensor valid_lo, Tensor seq_len, float scale) -> Tensor",
+    "copy_kv_pages": "(Tensor(a0!) dst_k, Tensor(a1!) dst_v, Tensor dst_index, Tensor src_k, Tensor src_v, "
+                     "Tensor src_index) -> ()",
+    "reseat_slots": "(Tensor(a0!) slot_page, Tensor wanted, Tensor slot_phys, Tensor(a3!) table_buffer, "
+                    "Tensor slot_heads, SymInt num_heads, SymInt null_page, Tensor? when) -> (Tensor, Tensor)",
+    "place_page": "(Tensor(a0!) slot_page, Tensor slot_phys, Tensor(a2!) table_buffer, Tensor slot_heads, "
+                  "SymInt num_heads, Tensor page, Tensor(a6!) tail, Tensor? when) -> ()",
+}
+
+
+def test_each_row_is_a_field_of_every_backend_and_its_op_keeps_its_schema():
+    names = [k.name for k in KERNELS]
+    assert names == ["minmax_update", "append_token", "page_scores", "page_lse", "select_pages", "sparse_decode",
+                     "copy_pages", "copy_kv_pages", "copy_rows", "reseat_slots", "place_page"]
+    assert [f.name for f in KernelOps.__dataclass_fields__.values()] == ["name", *names]
+    assert set(OPS) == set(SCHEMAS)
+    for name, schema in SCHEMAS.items():
+        op = getattr(torch.ops.flexicache, name).default
+        assert str(op._schema) == f"flexicache::{name}{schema}"
+        assert torch.Tag.pt2_compliant_tag in op.tags
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CUDA")  # the CUDA twin, found lazily
+    for k in KERNELS:
+        entry = getattr(REFERENCE_OPS, k.name)
+        if k.name in SCHEMAS:  # direct eagerly, the op while torch.compile traces
+            assert entry.eager is k.reference and entry.__doc__ == k.reference.__doc__
+        else:  # prompt-side: the kernel itself
+            assert entry is k.reference is getattr(reference, k.name)
+
+
+def test_backends_are_picked_by_device_and_pickled_by_name():
+    assert ops_for(torch.device("cpu")) is REFERENCE_OPS and ops_named("reference") is REFERENCE_OPS
+    assert ops_for(torch.device("cuda"), prefer="reference") is REFERENCE_OPS
+    assert pickle.loads(pickle.dumps(REFERENCE_OPS)) is REFERENCE_OPS
+    with pytest.raises(ValueError, match="no kernel backend named 'cuda'"):
+        ops_named("cuda")
+
+
+def test_the_cpu_path_imports_no_cuda_twin():
+    code = ("import sys, flexicache_hf, flexicache_hf.kernels as k; k.ops_for('cpu'); "
+            "print(sorted(m for m in sys.modules if m.startswith('flexicache_hf.kernels.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert eval(out) == ["flexicache_hf.kernels.reference", "flexicache_hf.kernels.table"]
+
+
+def test_traced_calls_bind_like_the_reference():
+    """Keyword arguments, defaults (``scale=None``: D ** -0.5) and a returned ``out`` reach the ops as the reference
+    takes them: a compiled function of the fields equals their eager calls."""
+    g = torch.Generator().manual_seed(0)
+    B, H, G, P, D, k = 2, 3, 2, 9, 8, 4
+    q = torch.randn(B, H * G, D, generator=g)
+    lo = torch.randn(B, H, P, D, generator=g)
+    kmin, kmax = lo, lo + torch.rand(B, H, P, D, generator=g)
+    heads, n = torch.tensor([2, 0]), torch.tensor([P - 2])
+    active = torch.tensor([True, False])
+
+    def step(ops, out):
+        scores = ops.page_scores(q, kmin, kmax, heads, n, active, "mass")  # scale and shrink: the defaults
+        picked = ops.select_pages(scores, k, num_pages=n, active=active, out=out)
+        return scores, picked
+
+    traced = []
+
+    def backend(gm, example_inputs):  # aot_eager, noting the graph's calls
+        traced.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    want = step(REFERENCE_OPS, torch.full((B, 2, k), -7))
+    torch._dynamo.reset()
+    got = torch.compile(step, backend=backend, fullgraph=True)(REFERENCE_OPS, torch.full((B, 2, k), -7))
+    assert traced == ["flexicache.page_scores.default", "flexicache.select_pages.default"]
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert bool((got[1][:, 1] == -7).all())  # the inactive head's row of `out` is left as it was
