@@ -138,14 +138,15 @@ class PagedKV:
         error = TypeError(WRONG_ATTENTION)
         for arg in (*args, *(kwargs or {}).values()):
             if isinstance(arg, PagedKV):
-                arg.cache.guard.note(error)
+                arg.cache.refused(arg, error)  # nothing of the attention ran: the forward is undone where it can be
+                break
         raise error
 
     def __getattr__(self, name):  # only reached for attributes a handle lacks (e.g. `.shape`)
         if name.startswith("__") or name == "cache":  # protocol probes (copy, pickle) and unset fields
             raise AttributeError(name)
         error = TypeError(f"{WRONG_ATTENTION} (an attention function asked the handle for `{name}`)")
-        self.cache.guard.note(error)
+        self.cache.refused(self, error)
         raise error
 
 

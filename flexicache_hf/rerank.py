@@ -158,3 +158,7 @@ class Reranker:
 
     def select_rows(self, index: torch.Tensor) -> None:
         self.selected = self.selected[index]
+
+    def forget_after(self, newest: int) -> None:
+        """Drop selected pages past ``newest`` (pages a crop removed; in place, the order kept)."""
+        self.selected.masked_fill_(self.selected > newest, -1)
