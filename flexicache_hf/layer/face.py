@@ -67,7 +67,7 @@ class FlexiCacheLayer(CacheLayerMixin):
         self.storage = LayerStorage(key_states, unstable, cfg, ops_for(key_states.device, prefer=self.spec.kernels))
         self.reranker = Reranker(B, H, unstable, cfg.budget_pages, cfg.max_recent_pages, key_states.device,
                                  cfg.sink_pages, cfg.recent_pages, stable_scoring=cfg.stable_scoring,
-                                 unstable_scoring=cfg.unstable_scoring)
+                                 unstable_scoring=cfg.unstable_scoring, pages=0)  # widened as the layer grows
         self.state = state
         self.seq_len = 0
         self.is_initialized = True
@@ -81,6 +81,7 @@ class FlexiCacheLayer(CacheLayerMixin):
         self.storage.join_copies()  # before growth re-lays the pool, and before a decode token enters a slot
         before = self.storage.page_capacity
         self.storage.ensure_capacity(end, self.seq_len, self.spec.max_tokens, host_elsewhere)
+        self.reranker.fit(self.storage.page_capacity)
         if self.spec.max_tokens is not None and self.storage.page_capacity != before:
             self.mark_static()  # allocated once, at a fixed address: a captured decode step may use them
 
