@@ -433,3 +433,39 @@ def test_offload_changes_where_pages_live_not_what_is_attended(i):
         logits[offload] = (conversation, torch.stack(out))
     assert torch.equal(logits[False][0], logits[True][0])
     torch.testing.assert_close(logits[True][1], logits[False][1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("R,most", [(16, 6), (64, 12)])
+def test_a_stable_head_attends_its_selection_and_the_pages_since_its_last_rerank_as_documented(R, most):
+    """Budget 4 pages of 8 tokens: between re-ranks a stable head attends its 4 pages plus every page created since
+    its last re-rank, up to K + ceil(R / page_size) pages (6 at R = 16, 12 at R = 64), which the configuration's
+    documentation states; an unstable head attends its K pages."""
+    import dataclasses
+
+    from flexicache_hf.kernels import reference
+
+    cfg = tiny_config("llama", heads=4, kv_heads=2)
+    fc, _ = twin_models(cfg)
+    profile = HeadProfile.random(cfg, 0.5, seed=1)  # one stable and one unstable KV head per layer
+    cache = FlexiCache(profile, page_size=8, token_budget=32, rerank_interval=R)
+    seen = {True: 0, False: 0}
+
+    def counting(layer):
+        def sparse_decode(q, k_pool, v_pool, table, pages, valid_lo, length, scale):
+            listed = (pages >= 0).sum(-1).amax(0)  # [H] pages attended per KV head (the widest row)
+            for h, n in enumerate(listed.tolist()):
+                stable = bool(layer.reranker.is_stable[h])
+                seen[stable] = max(seen[stable], n)
+            return reference.sparse_decode(q, k_pool, v_pool, table, pages, valid_lo, length, scale)
+        return sparse_decode
+
+    ids = torch.randint(2, 96, (1, 160))  # ends on a page boundary: the longest window follows the prompt's seat
+    fc(ids, past_key_values=cache)
+    for layer in cache.layers:
+        layer.storage.ops = dataclasses.replace(layer.storage.ops, sparse_decode=counting(layer))
+    tok = ids[:, -1:]
+    for _ in range(R + 2):
+        tok = fc(tok, past_key_values=cache).logits[:, -1:].argmax(-1)
+    assert seen == {True: most, False: 4}
+    doc = " ".join(FlexiCacheConfig.__doc__.split())
+    assert "plus every page created since that re-rank" in doc and "up to ``K + ceil(R / page_size)`` pages" in doc
