@@ -28,6 +28,7 @@ from .kernels import MAX_SELECT_PAGES
 from .layer import FlexiCacheLayer, LayerSpec
 from .layer.schedule import DecodeState, state_for_device
 from .model_check import check_served
+from .pages import num_pages
 from .stats import CacheAccounting, CacheStats
 from .tiers import check_host_limit
 from .recycling import KEEPER, storage_key
@@ -240,7 +241,7 @@ class FlexiCache(CacheAccounting, Cache):
         ``max_cache_len`` (everything then has a fixed address), the GPU kernels and no observer (which is told
         of every re-rank on the host)."""
         return (self.max_tokens is not None and self.kernels is None and self.observer is None
-                and -(-self.max_tokens // self.config.page_size) <= MAX_SELECT_PAGES)
+                and num_pages(self.max_tokens + self.config.page_size - 1, self.config.page_size) <= MAX_SELECT_PAGES)
 
     def decode_state(self, device: torch.device) -> DecodeState:
         """The step schedule all layers on ``device`` share (made for the first layer to allocate there)."""
@@ -258,7 +259,7 @@ class FlexiCache(CacheAccounting, Cache):
     # ---- HF cache API ---------------------------------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
         if torch.compiler.is_compiling():  # the device count: reading the host flag would guard on it
-            return self.layers[layer_idx].state.length[0]
+            return self.layers[layer_idx].device_length()
         self.ensure_usable()
         return super().get_seq_length(layer_idx)
 

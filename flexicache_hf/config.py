@@ -24,7 +24,9 @@ class FlexiCacheConfig:
     """Configuration of one :class:`~flexicache_hf.FlexiCache`.
 
     Args:
-        page_size: tokens per KV page (a power of two; Triton tiles pages whole).
+        page_size: tokens per KV page (a power of two; Triton tiles pages whole).  Pages are counted back from the
+            end of the first prompt chunk (which ends on a page boundary), so a left-padded row's pages are the
+            ones it has alone: its tokens never depend on its batch.
         token_budget: the size of each KV head's top-K selection: ``K = token_budget // page_size`` pages, the
             page holding the newest token always among them.  Paper default: 2048 (also 1024).  What a decode step
             attends: an unstable head (re-ranked every step) and a stable head on its re-rank step attend exactly

@@ -35,14 +35,20 @@ class SelectionObserver:
         raise NotImplementedError
 
 
-def force_pages(scores: torch.Tensor, num_pages, sink_pages: int, recent_pages: int) -> torch.Tensor:
-    """``scores [..., P]`` with the first ``sink_pages`` pages and the ``recent_pages`` pages before the newest of
+def force_pages(scores: torch.Tensor, num_pages, sink_pages: int, recent_pages: int,
+                first_page: torch.Tensor | None = None) -> torch.Tensor:
+    """``scores [B, ..., P]`` with the first ``sink_pages`` pages (from each row's ``first_page [B]``, its first page
+    holding a token that is not padding; None: page 0) and the ``recent_pages`` pages before the newest of
     ``num_pages`` existing ones (an int or a device scalar) raised to +inf: forced pages outrank every bound; empty
     pages stay -inf."""
     if not (sink_pages or recent_pages):
         return scores
     p = torch.arange(scores.shape[-1], device=scores.device)
-    forced = p < sink_pages
+    if first_page is None:
+        forced = p < sink_pages
+    else:
+        first = first_page.view(-1, *[1] * (scores.dim() - 1))
+        forced = (p >= first) & (p < first + sink_pages)
     if recent_pages:
         forced = forced | ((p >= num_pages - 1 - recent_pages) & (p < num_pages))
     return torch.where(forced & (scores > float("-inf")), float("inf"), scores)
@@ -82,10 +88,12 @@ class Reranker:
         # Selected logical pages per head (ascending, -1 padded); rows of stable heads change only when due.
         self.selected = torch.full((batch, num_kv_heads, self.width), -1, dtype=torch.long, device=device)
         self.reranks = torch.zeros(num_kv_heads, dtype=torch.long, device=device)  # per-head re-rank count
+        # Each row's first page holding a token that is not padding: its sink pages start there (the layer sets it)
+        self.first_page = torch.zeros(batch, dtype=torch.long, device=device)
 
     def buffers(self) -> list[torch.Tensor]:
         return [self.all_heads, self.stable_heads, self.unstable_heads, self.is_stable, self.recent_offsets,
-                self.selected, self.reranks]
+                self.selected, self.reranks, self.first_page]
 
     def fit(self, pages: int) -> None:
         """Room for ``pages`` pages per head (the layer's grown capacity): the selection widens to
@@ -102,6 +110,7 @@ class Reranker:
         """No page selected, no re-rank counted (in place)."""
         self.selected.fill_(-1)
         self.reranks.zero_()
+        self.first_page.zero_()
 
     def scored_heads(self, stable_due: bool) -> torch.Tensor:
         """Host-side: the KV heads a step with (or without) a stable re-rank scores (for the observer)."""
@@ -156,7 +165,7 @@ class Reranker:
                                                scale, active, lse=ops.page_lse)
         else:
             scores = ops.page_scores(query, kmin, kmax, heads, num_pages, active, group_score, scale, shrink)
-        return force_pages(scores, num_pages, self.sink_pages, self.recent_pages)
+        return force_pages(scores, num_pages, self.sink_pages, self.recent_pages, self.first_page)
 
     def attend_list(self, newest: torch.Tensor, anchor: torch.Tensor, due: torch.Tensor) -> torch.Tensor:
         """``[B, H, K + max_recent]`` logical pages each head attends to this step (-1 padded).
@@ -173,7 +182,7 @@ class Reranker:
         return torch.cat([sel, extra], dim=-1)
 
     def select_rows(self, index: torch.Tensor) -> None:
-        self.selected = self.selected[index]
+        self.selected, self.first_page = self.selected[index], self.first_page[index]
 
     def forget_after(self, newest: int) -> None:
         """Drop selected pages past ``newest`` (pages a crop removed; in place, the order kept)."""

@@ -252,16 +252,16 @@ class HostTier:
             self.copies.keep_alive(src)
             self.ops.copy_rows(self.tokens(which)[:, :, start : start + T], src)
 
-    def read_tokens(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Queue the copy of the first ``T`` stored tokens into ``keys`` / ``values`` ``[B, heads, T, D]``
-        (device buffers made on the compute stream; exact attention over a cached prefix).
+    def read_tokens(self, keys: torch.Tensor, values: torch.Tensor, first: int = 0) -> None:
+        """Queue the copy of the ``T`` stored tokens from position ``first`` into ``keys`` / ``values``
+        ``[B, heads, T, D]`` (device buffers made on the compute stream; exact attention over a cached prefix).
 
         Runs on the copy stream (call inside ``copy_context``, then hand the stream off before reading).
         """
-        end = keys.shape[2]
+        end = first + keys.shape[2]
         for dst, which in ((keys, "k"), (values, "v")):
             self.copies.keep_alive(dst)
-            self.ops.copy_rows(dst, self.tokens(which)[:, :, :end])
+            self.ops.copy_rows(dst, self.tokens(which)[:, :, first:end])
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep rows ``index`` (beam reorder / batch expansion), in fresh host blocks."""
@@ -350,16 +350,16 @@ def load_promoted(ops: KernelOps, pool: PagePool, host: HostTier, pages: torch.T
 
 
 def seat_from_chunk(pool: PagePool, pages: torch.Tensor, phys: torch.Tensor, keys: torch.Tensor,
-                    values: torch.Tensor, page_size: int) -> None:
+                    values: torch.Tensor, page_size: int, first: int = 0) -> None:
     """Fill the slots ``phys`` with logical ``pages`` (both ``[B, heads, K]``, -1 = none) of the offloaded heads,
-    taken from a prompt chunk of those heads that starts at position 0 and is still on the device (``keys`` /
-    ``values`` ``[B, heads, T, D]``): device-to-device, instead of :func:`load_promoted` from the host tier.  Only
-    the seated pages' token rows are read (a past-the-end row of a partial page repeats the last token: never
-    attended)."""
+    taken from a prompt chunk of those heads stored from position ``first`` (its first token's; the first chunk)
+    and still on the device (``keys`` / ``values`` ``[B, heads, T, D]``): device-to-device, instead of
+    :func:`load_promoted` from the host tier.  Only the seated pages' token rows are read (a row before the chunk or
+    past its end repeats its first or last token: never attended)."""
     B, nT, K = pages.shape
     T = keys.shape[2]
     tok = pages.clamp_min(0)[..., None] * page_size + torch.arange(page_size, device=pages.device)  # [B, nT, K, ps]
-    tok = tok.clamp_max(T - 1)
+    tok = (tok - first).clamp(0, T - 1)
     b = torch.arange(B, device=pages.device)[:, None, None, None]
     h = torch.arange(nT, device=pages.device)[None, :, None, None]
     dst = torch.where(pages >= 0, phys, NULL_PAGE).reshape(-1)  # nothing to seat: the null page, never read

@@ -41,7 +41,8 @@ def test_max_cache_len_allocates_once_and_equals_dense():
                       min_new_tokens=40, do_sample=False, logits_processor=[Stamp()])[:, 37:]
     assert torch.equal(out, greedy(dense, ids, None, 40))
     assert all(s == seen[0] for s in seen)  # nothing re-allocated over 40 steps, 5 new pages
-    assert all(layer.page_capacity == num_pages(77, 8) for layer in cache.layers)
+    # 77 tokens from the storage origin (< 1 page: the first chunk ends on a page boundary, layer/schedule.py)
+    assert all(layer.page_capacity == num_pages(77 + 8 - 1, 8) for layer in cache.layers)
 
 
 def test_beyond_max_cache_len_refused_before_any_change():
@@ -116,7 +117,7 @@ def test_pipeline_sizes_the_cache_and_refuses_a_call_beyond_the_context_up_front
                     flexicache_profile=HeadProfile.random(cfg, 0.5), flexicache_config=None)
     prompt = " ".join(f"w{j % 90 + 2}" for j in range(40))
     pipe(prompt, max_new_tokens=8, do_sample=False)
-    assert pipe.last_cache.max_tokens == 48 and pipe.last_cache.layers[0].page_capacity == num_pages(48, 16)
+    assert pipe.last_cache.max_tokens == 48 and pipe.last_cache.layers[0].page_capacity == num_pages(48 + 15, 16)
     with pytest.raises(ValueError, match="exceeds the model's context of 64"):
         pipe(prompt, max_new_tokens=30, do_sample=False)  # 40 + 30 > 64: refused before the prefill
 

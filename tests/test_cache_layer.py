@@ -49,6 +49,12 @@ def naive_sparse(q, keys, values, pages, valid_lo, ps, scale):
     return out
 
 
+def framed(t: torch.Tensor, origin: int) -> torch.Tensor:
+    """A token history ``[B, H, L, D]`` in storage positions: ``origin`` empty positions first (the cache counts pages
+    from its first chunk's end, ``-T mod page_size`` positions before the first token; layer/schedule.py)."""
+    return torch.nn.functional.pad(t, (0, 0, origin, 0))
+
+
 def watch_attended(layer) -> list:
     """Record the page list every decode step of ``layer`` attends (what the Reranker hands sparse decode)."""
     seen, attend_list = [], layer.reranker.attend_list
@@ -84,10 +90,13 @@ def drive(profile, *, B, H, G, D, prompt, steps, ps, budget, R, offload, valid_l
 
     K = budget // ps
     stable = layer.reranker.stable_heads
+    # Pages in storage positions (the naive references see the history framed so), valid from lo_s.
+    o = -prompt % ps
+    lo_s = valid_lo + o
     # What each stable head attends between re-ranks: its last top-K plus the pages made since (anchor, newest].
     # Its first top-K comes from the prompt's last query.
-    n = -(-prompt // ps)
-    lo, hi = naive_minmax(keys, valid_lo, n, ps)
+    n = -(-(o + prompt) // ps)
+    lo, hi = naive_minmax(framed(keys, o), lo_s, n, ps)
     last = {h: (reference.select_pages(reference.page_scores(q[:, :, -1], lo, hi,
                                                              torch.tensor([h]), n), K)[:, 0], n - 1)
             for h in stable.tolist()}
@@ -99,13 +108,13 @@ def drive(profile, *, B, H, G, D, prompt, steps, ps, budget, R, offload, valid_l
         handle, _ = cache.update(k1, v1, 0)
         out = cache.attend(handle, q1, None, scale)[:, 0]
         L = keys.shape[2]
-        n = -(-L // ps)
+        n = -(-(o + L) // ps)
         attended = attended_log[-1]
         # 1. output equals dense softmax over exactly the attended pages, gathered from the full history
-        torch.testing.assert_close(out, naive_sparse(q1[:, :, 0], keys, values, attended, valid_lo, ps, scale),
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out, naive_sparse(q1[:, :, 0], framed(keys, o), framed(values, o), attended, lo_s,
+                                                     ps, scale), atol=1e-5, rtol=1e-5)
         # 2. the re-ranked heads selected the reference top-K of min/max scores of the full history
-        lo, hi = naive_minmax(keys, valid_lo, n, ps)
+        lo, hi = naive_minmax(framed(keys, o), lo_s, n, ps)
         new_events = rec.events[n_events:]
         if new_events and not extra:
             ev = new_events[0]
@@ -328,8 +337,9 @@ def test_prompt_seats_the_last_querys_top_k_and_the_first_step_loads_nothing():
     cache.attend(handle, q, None, scale)
     heads = layer.storage.slot_heads
     assert heads.tolist() == layer.reranker.stable_heads.tolist() == [0, 2, 3]
-    n = -(-T // ps)
-    lo, hi = naive_minmax(keys, torch.zeros(B, dtype=torch.long), n, ps)
+    o = -T % ps  # storage positions: the prompt ends on a page boundary (page 17 its last, decode starts page 18)
+    n = -(-(o + T) // ps)
+    lo, hi = naive_minmax(framed(keys, o), torch.full((B,), o), n, ps)
     want = reference.select_pages(reference.page_scores(q[:, :, -1], lo, hi, heads, n, None, "max", scale), K)
     assert torch.equal(layer.reranker.selected[:, heads], want)
     seated = layer.storage.slots.slot_page
@@ -339,10 +349,11 @@ def test_prompt_seats_the_last_querys_top_k_and_the_first_step_loads_nothing():
             assert got == want[b, t].tolist()
             for p in got:  # the slot's contents are the prompt's tokens of that page
                 phys = int(layer.storage.pool.page_table[b, h, p])
-                toks = slice(p * ps, min((p + 1) * ps, T))
+                toks = slice(max(p * ps - o, 0), min((p + 1) * ps - o, T))
+                row = toks.start + o - p * ps  # (page 0 starts with the o empty positions)
                 m = toks.stop - toks.start
-                assert torch.equal(layer.storage.pool.k[phys, :m], keys[b, h, toks])
-                assert torch.equal(layer.storage.pool.v[phys, :m], values[b, h, toks])
+                assert torch.equal(layer.storage.pool.k[phys, row : row + m], keys[b, h, toks])
+                assert torch.equal(layer.storage.pool.v[phys, row : row + m], values[b, h, toks])
 
     def step():
         k1, v1, q1 = torch.randn(B, H, 1, D), torch.randn(B, H, 1, D), torch.randn(B, H * G, 1, D)
@@ -351,12 +362,12 @@ def test_prompt_seats_the_last_querys_top_k_and_the_first_step_loads_nothing():
         return k1, v1, q1
 
     history_k = [keys]
-    for s in range(R):  # tokens 70, 71 go to page 17 (in every top-K); 72, 73 start page 18
+    for s in range(R):  # tokens 70..73 (storage 72..75) fill page 18, the first after the prompt's
         history_k.append(step()[0])
         attended = attended_log[-1][:, heads]
         for b in range(B):
             for t in range(len(heads)):
-                newer = [18] if s >= 2 else []
+                newer = [18]
                 assert sorted(p for p in attended[b, t].tolist() if p >= 0) == want[b, t].tolist() + newer
     assert cache.stats.promoted_pages == 0 and layer.reranker.reranks.tolist() == [0, R, 0, 0]
     history_k.append(step()[0])  # step R: the stable heads' first re-rank after the prompt
@@ -370,7 +381,7 @@ def test_prompt_seats_the_last_querys_top_k_and_the_first_step_loads_nothing():
     history_k.append(k1)
     assert layer.reranker.reranks.tolist() == [2, R + 2, 2, 2]
     full = torch.cat(history_k, 2)
-    n = -(-full.shape[2] // ps)
-    lo, hi = naive_minmax(full, torch.zeros(B, dtype=torch.long), n, ps)
+    n = -(-(o + full.shape[2]) // ps)
+    lo, hi = naive_minmax(framed(full, o), torch.full((B,), o), n, ps)
     fresh = reference.select_pages(reference.page_scores(q1[:, :, 0], lo, hi, heads, n, None, "max", scale), K)
     assert torch.equal(layer.reranker.selected[:, heads], fresh)

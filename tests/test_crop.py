@@ -60,7 +60,8 @@ def test_crop_of_decode_steps_continues_as_the_cache_before_them(budget, max_cac
     drop=1 removes step 7, the first token of page 7 (across a page boundary, no re-rank): undone exactly, the
     steps after it are those of the cache as it was after 7 steps.  drop=3 removes steps 5-7, step 6 re-ranked:
     the cache after 5 steps, whose next step re-ranks every head (as after a follow-up chunk).  drop=9 reaches into
-    the prompt: the first 20 prompt tokens, the next step re-ranking every head."""
+    the prompt: the first 20 prompt tokens (paged from the 21-token prompt's end), the next step re-ranking every
+    head."""
     cfg = tiny_config("llama", heads=4, kv_heads=2)
     fc, dense = twin_models(cfg)
     profile = HeadProfile.random(cfg, 0.5, seed=3)
@@ -69,8 +70,9 @@ def test_crop_of_decode_steps_continues_as_the_cache_before_them(budget, max_cac
     prompt, steps, after = (torch.randint(2, 96, (2, n), generator=g) for n in (21, 8, 20))
     cache, before = make(), make()
     feed(fc, cache, prompt)
-    if drop == 9:
-        feed(fc, before, prompt[:, :20])
+    if drop == 9:  # pages counted from a first chunk of 17 = 21 - 4 tokens, as the cache's (a follow-up then)
+        feed(fc, before, prompt[:, :17])
+        feed(fc, before, prompt[:, 17:20])
     for i in range(8):
         if 21 + i == 29 - drop:
             before = copy.deepcopy(cache)
@@ -82,7 +84,7 @@ def test_crop_of_decode_steps_continues_as_the_cache_before_them(budget, max_cac
         assert [t.data_ptr() for layer in cache.layers for t in layer.buffers()] == buffers
     if drop > 1:  # a re-rank (or the prompt's seat) dropped: the next step re-ranks every head
         for state in before.states.values():
-            state.restore(29 - drop, 0, True)
+            state.restore(state.host_origin + 29 - drop, 0, True)  # (storage positions)
     reranks = cache.stats.head_reranks, before.stats.head_reranks
     full = budget == "full"
     kept = torch.cat([prompt, steps], 1)[:, : 29 - drop]

@@ -469,3 +469,37 @@ def test_a_stable_head_attends_its_selection_and_the_pages_since_its_last_rerank
     assert seen == {True: most, False: 4}
     doc = " ".join(FlexiCacheConfig.__doc__.split())
     assert "plus every page created since that re-rank" in doc and "up to ``K + ceil(R / page_size)`` pages" in doc
+
+
+@pytest.mark.parametrize("kind,heads,kv", [("llama", 4, 2), ("mistral", 6, 2), ("qwen2", 8, 2)])
+@pytest.mark.parametrize("page_size", [8, 16])
+@pytest.mark.parametrize("budget", [32, 64, "full"])
+def test_a_rows_tokens_never_depend_on_its_batch(kind, heads, kv, page_size, budget, forced=(0, 0)):
+    """Every row of a left-padded batch decodes the tokens it decodes alone, at every budget: its pages are its own
+    (paddings here are no multiple of the page size), as with SDPA + DynamicCache."""
+    cfg = tiny_config(kind, heads=heads, kv_heads=kv, layers=2)
+    fc, _ = twin_models(cfg, seed=1)
+    with torch.no_grad():  # (the pad token's embedding is zero, padding_idx: generated, its query would be zero and
+        # every page score tie, and which tied pages a top-K keeps is the selection kernel's choice)
+        fc.model.embed_tokens.weight[0].normal_(generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(page_size)
+    lengths = [150, 3, 47, 101, 149]  # paddings 0, 147, 103, 49, 1
+    rows = [torch.randint(2, 96, (1, n), generator=g) for n in lengths]
+    L = max(lengths)
+    ids, mask = torch.zeros(len(rows), L, dtype=torch.long), torch.zeros(len(rows), L, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, L - r.shape[1]:], mask[i, L - r.shape[1]:] = r[0], 1
+    profile = HeadProfile.random(cfg, 0.25, seed=2)
+    config = dict(page_size=page_size, token_budget=512 if budget == "full" else budget, rerank_interval=3,
+                  sink_pages=forced[0], recent_pages=forced[1])
+    batch = greedy(fc, ids, FlexiCache(profile, **config), n=16, attention_mask=mask)
+    for i, r in enumerate(rows):
+        alone = greedy(fc, r, FlexiCache(profile, **config), n=16)
+        assert torch.equal(batch[i, L:], alone[0, r.shape[1]:]), f"row {i} (padding {L - r.shape[1]})"
+
+
+@pytest.mark.parametrize("budget", [32, 64])
+def test_a_rows_sink_pages_are_its_own_first_pages_in_a_batch(budget):
+    """With sink and recent pages forced into every selection, still each row's own tokens: a row's sink page is its
+    first page holding a token that is not padding."""
+    test_a_rows_tokens_never_depend_on_its_batch("llama", 4, 2, 8, budget, forced=(1, 1))

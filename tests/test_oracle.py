@@ -117,16 +117,17 @@ def test_quest_ref_matches_flexicache_quest_for_either_group_score(models, group
     """The Triton-free reference path and FlexiCache's own selection agree for both combines and a shrunk bound
     (and the two combines do select differently on this model)."""
     fc, _ = models
-    prompt = torch.randint(1, 96, (1, 120), generator=torch.Generator().manual_seed(1))
+    # (a prompt ending on a page boundary: FlexiCache counts pages back from its end, the reference path from 0)
+    prompt = torch.randint(1, 96, (1, 128), generator=torch.Generator().manual_seed(1))
     cont = torch.randint(1, 96, (1, 10), generator=torch.Generator().manual_seed(2))
     profiles = ProfileSource(fc.config, None)
-    q = make_cache(Policy("quest", 3 * PS, group_score=group_score, bound_shrink=shrink), fc.config, 120, profiles)
-    r = make_cache(Policy("quest-ref", 3 * PS, group_score=group_score, bound_shrink=shrink), fc.config, 120,
+    q = make_cache(Policy("quest", 3 * PS, group_score=group_score, bound_shrink=shrink), fc.config, 128, profiles)
+    r = make_cache(Policy("quest-ref", 3 * PS, group_score=group_score, bound_shrink=shrink), fc.config, 128,
                    profiles)
     torch.testing.assert_close(step_logits(fc, prompt, cont, r), step_logits(fc, prompt, cont, q),
                                atol=1e-4, rtol=1e-4)
     if group_score == "mass":
-        other = make_cache(Policy("quest-ref", 3 * PS), fc.config, 120, profiles)
+        other = make_cache(Policy("quest-ref", 3 * PS), fc.config, 128, profiles)
         step_logits(fc, prompt, cont, other)
         assert not torch.equal(other.layers[1].last["pages"], r.layers[1].last["pages"]) or \
             any(not torch.equal(a.last["pages"], b.last["pages"]) for a, b in zip(other.layers, r.layers))
@@ -205,11 +206,11 @@ def test_oracle_pages_hold_more_mass_than_quest_like_selection(models):
 @pytest.mark.parametrize("forced", [(0, 0), (1, 1)], ids=["paper", "sink1-recent1"])
 def test_quest_ref_matches_flexicache_quest(models, forced):
     fc, _ = models
-    prompt = torch.randint(1, 96, (1, 120))
+    prompt = torch.randint(1, 96, (1, 128))  # (ends on a page boundary: the same pages, see above)
     cont = torch.randint(1, 96, (1, 10))
     profiles = ProfileSource(fc.config, None)
-    q = make_cache(Policy("quest", 3 * PS, sink_pages=forced[0], recent_pages=forced[1]), fc.config, 120, profiles)
-    r = make_cache(Policy("quest-ref", 3 * PS, sink_pages=forced[0], recent_pages=forced[1]), fc.config, 120,
+    q = make_cache(Policy("quest", 3 * PS, sink_pages=forced[0], recent_pages=forced[1]), fc.config, 128, profiles)
+    r = make_cache(Policy("quest-ref", 3 * PS, sink_pages=forced[0], recent_pages=forced[1]), fc.config, 128,
                    profiles)
     a, b = step_logits(fc, prompt, cont, q), step_logits(fc, prompt, cont, r)
     torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)

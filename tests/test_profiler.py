@@ -116,7 +116,8 @@ def test_profiling_decodes_densely_and_records_topk(tmp_path):
     assert r.num_steps == 16 and r.k == 3
     for layer in range(LAYERS):
         pages, n = r.layer_pages(layer), r.layer_num_pages(layer)
-        assert (n == np.ceil((90 + 1 + np.arange(16)) / 8)).all()  # N_t grows with the context
+        # N_t grows with the context (pages counted back from the prompt's end: 6 empty positions first)
+        assert (n == np.ceil((6 + 90 + 1 + np.arange(16)) / 8)).all()
         assert ((pages >= 0).sum(-1) == 3).all()
         assert all((pages[s] == n[s] - 1).any(-1).all() for s in range(16))  # newest page always in
 
@@ -149,6 +150,7 @@ def test_oracle_mass_matches_explicit_softmax():
     want = torch.zeros(KV_HEADS, n)
     for qh in range(q.shape[0]):
         p = torch.softmax(keys[qh // group].float() @ q[qh].float() * q.shape[1] ** -0.5, dim=0)
+        p = torch.nn.functional.pad(p, (6, 0))  # pages counted back from the 50-token prompt's end (6 empty first)
         per_page = torch.stack([p[i * 8:(i + 1) * 8].sum() for i in range(n)])
         want[qh // group] = torch.maximum(want[qh // group], per_page)
     assert torch.allclose(seen["mass"], want, atol=1e-5)

@@ -11,13 +11,14 @@ from flexicache_hf.layer.schedule import DecodeState
 
 def test_eager_plan_and_device_state_agree_over_pages_and_reranks():
     st = DecodeState("cpu", page_size=4, rerank_interval=3, capacity=None)
-    st.add_chunk(6)  # positions 0..5 hold the prompt (its last query ranked the stable heads: anchor page 1)
+    st.add_chunk(6)  # the prompt ends on a page boundary: storage positions 2..7 (its last query: anchor page 1)
+    assert st.host_origin == int(st.origin) == 2 and st.host_length == int(st.length) == 8
     st.anchor_of(0).fill_(1)
     anchor = 1
-    for pos in range(6, 30):
+    for pos in range(8, 32):
         plan = st.begin_eager_step()
         st.begin_layer(0)
-        step = pos - 6
+        step = pos - 8
         assert int(st.pos) == pos and int(st.length) == pos + 1 and int(st.num_pages) == pos // 4 + 1
         assert plan.new_page == bool(st.new_page) == (pos % 4 == 0)
         assert plan.page_full == bool(st.page_full) == (pos % 4 == 3)
@@ -25,6 +26,7 @@ def test_eager_plan_and_device_state_agree_over_pages_and_reranks():
         anchor = pos // 4 if step > 0 and step % 3 == 0 else anchor
         assert int(st.anchor_of(0)) == anchor
     assert st.counters.read()["decode_steps"] == 24
+    assert [st.anchor_page(0, s) for s in (-1, 0, 2, 3, 5, 6)] == [1, 1, 1, 2, 2, 3]  # the anchor, from the schedule
 
 
 def test_staggered_phases_rerank_each_layer_every_r_steps_and_all_after_a_follow_up_chunk():
@@ -61,10 +63,11 @@ def _check_staggered(st: DecodeState, R: int, phases: tuple[int, ...], first: bo
 
 def test_capacity_clamps_and_flags_a_captured_overflow():
     st = DecodeState("cpu", page_size=4, rerank_interval=3, capacity=8)
-    st.add_chunk(7)
-    st.advance()  # position 7: the last one
+    st.add_chunk(7)  # storage positions 1..7 (the origin is 1)
+    st.advance()  # position 7 (storage 8): the last one
+    assert int(st.pos) == 8 and not bool(st.overflow)
     st.advance()  # position 8 does not exist: clamped, flagged
-    assert int(st.pos) == 7 and bool(st.overflow)
+    assert int(st.pos) == 8 and bool(st.overflow)
     st.stale = True
     try:
         st.sync()
@@ -79,17 +82,17 @@ def test_one_schedule_per_device_follows_the_first_and_counts_steps_once():
     cfg = tiny_config("llama", heads=2, kv_heads=2, layers=2, head_dim=8)
     cache = FlexiCache(HeadProfile.all_stable(cfg), page_size=4, token_budget=8)
     first = cache.decode_state(torch.device("cpu"))
-    first.add_chunk(6)
+    first.add_chunk(6)  # (storage positions from 2: the origin)
     first.add_chunk(4)  # layer 0 took a follow-up chunk before the second device's layer existed
     second = cache.decode_state(torch.device("cpu:0"))  # another device key (a second GPU in practice)
     assert second is not first and cache.decode_state(torch.device("cpu:0")) is second
-    assert int(second.length) == 10 and second.host_length == 10
+    assert int(second.length) == 12 and second.host_length == 12 and second.host_origin == int(second.origin) == 2
     for state in cache.states.values():
         state.begin_eager_step()
         for layer in range(2):
             state.begin_layer(layer)
-    assert int(first.length) == int(second.length) == 11
-    assert all(bool(d) for d in second.due) and [int(a) for a in second.anchor] == [2, 2]
+    assert int(first.length) == int(second.length) == 13
+    assert all(bool(d) for d in second.due) and [int(a) for a in second.anchor] == [3, 3]
     assert cache.stats.decode_steps == 1  # counted by the first device's schedule only
     cache.reset()
     assert not cache.states

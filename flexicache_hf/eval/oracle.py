@@ -30,6 +30,11 @@ mixes the two: e.g. a profile's unstable heads ranked exactly, its stable ones b
 ranking of the heads that keep every page on the device alone recover what the bound loses?  Both ranks record, per row, the fraction of the exact attention mass that falls on the
 attended pages.
 
+Pages here are counted from position 0; FlexiCache counts its pages back from the end of its first prompt chunk
+(``flexicache_hf/layer/schedule.py``: a row's pages do not move with its padding).  The two page grids are the same
+when the prompt ends on a page boundary, and shifted by less than a page otherwise (the reference path gathers every
+head's pages as equal-length token runs, which a partial first page would break).
+
 The selection rules are FlexiCache's own: the forced pages follow
 :meth:`flexicache_hf.rerank.Reranker.rerank`, the top-K and the always-kept newest page are
 :func:`flexicache_hf.kernels.reference.select_pages`.  Reference PyTorch, float32 scores; one extra query

@@ -76,11 +76,17 @@ class FlexiCacheLayer(CacheLayerMixin):
     def page_capacity(self) -> int:
         return self.storage.page_capacity if self.is_initialized else 0
 
+    @property
+    def origin(self) -> int:
+        """The storage position of model position 0 (the schedule's; see :mod:`.schedule`)."""
+        return self.state.host_origin
+
     def grow(self, end: int, host_elsewhere: int) -> None:
         """Room for ``end`` tokens (``host_elsewhere``: host bytes the cache's other layers hold)."""
         self.storage.join_copies()  # before growth re-lays the pool, and before a decode token enters a slot
         before = self.storage.page_capacity
-        self.storage.ensure_capacity(end, self.seq_len, self.spec.max_tokens, host_elsewhere)
+        stored = self.origin + self.seq_len if self.seq_len else 0
+        self.storage.ensure_capacity(end, stored, self.spec.max_tokens, host_elsewhere)
         self.reranker.fit(self.storage.page_capacity)
         if self.spec.max_tokens is not None and self.storage.page_capacity != before:
             self.mark_static()  # allocated once, at a fixed address: a captured decode step may use them
@@ -119,7 +125,7 @@ class FlexiCacheLayer(CacheLayerMixin):
 
     def catch_up(self) -> None:
         """Take the length graph replays reached (the schedule's host mirror was just synchronised)."""
-        length = self.state.host_length
+        length = self.state.host_length - self.origin
         if length != self.seq_len:
             self.seq_len = length
             self.storage.host_current = False  # the replays wrote the newest page to its slot only
@@ -155,8 +161,12 @@ class FlexiCacheLayer(CacheLayerMixin):
         """Tokens held: an int, or (after captured decode steps, until the host next needs it) the device count,
         as StaticCache returns it, so that generate's per-step bookkeeping never waits for the GPU."""
         if self.is_initialized and self.state.stale:
-            return self.state.length[0]
+            return self.device_length()
         return self.seq_len
+
+    def device_length(self) -> torch.Tensor:
+        """Tokens held, read on the device (a 0-d tensor: graph replays advance it)."""
+        return self.state.length[0] - self.state.origin[0]
 
     def get_mask_sizes(self, query_length) -> tuple[int, int]:
         if isinstance(query_length, torch.Tensor):  # older transformers pass cache_position
@@ -223,7 +233,7 @@ class FlexiCacheLayer(CacheLayerMixin):
         if not self.is_initialized:
             return
         index = index.to(self.storage.device).long()
-        self.storage.select_rows(index, self.seq_len)
+        self.storage.select_rows(index, self.origin + self.seq_len if self.seq_len else 0)
         self.reranker.select_rows(index)
 
     # ---- accounting -----------------------------------------------------------------------------------------

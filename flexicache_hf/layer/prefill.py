@@ -18,19 +18,21 @@ from ..tiers import copy_context, load_promoted, seat_from_chunk
 
 
 def store_chunk(layer, keys: torch.Tensor, values: torch.Tensor, start: int):
-    """Store a chunk ``[B, H, T, D]`` at positions ``start..``; returns the offloaded heads' part ``(k, v)``
+    """Store a chunk ``[B, H, T, D]`` at positions ``start..`` (storage positions ``origin + start..``, the
+    schedule's origin already set by this chunk if it is the first); returns the offloaded heads' part ``(k, v)``
     ``[B, slot_heads, T, D]`` (``None`` without offloaded heads), which the handle carries to attention."""
     s, ps = layer.storage, layer.config.page_size
-    end = start + keys.shape[2]
+    first = layer.origin + start
+    end = first + keys.shape[2]
     if s.full_heads.numel():
-        s.pool.full_tokens("k")[:, :, start:end] = keys[:, s.full_heads]
-        s.pool.full_tokens("v")[:, :, start:end] = values[:, s.full_heads]
+        s.pool.full_tokens("k")[:, :, first:end] = keys[:, s.full_heads]
+        s.pool.full_tokens("v")[:, :, first:end] = values[:, s.full_heads]
     if not s.offloads:
         return None
     k, v = keys[:, s.slot_heads].contiguous(), values[:, s.slot_heads].contiguous()
-    s.flush_newest_page(start)
+    s.flush_newest_page(first)
     with copy_context(s.copies):
-        s.host.write_tokens(k, v, start)
+        s.host.write_tokens(k, v, first)
         s.slots.clear()
         newest = (end - 1) // ps
         s.slots.place_new_page(s.ops, newest, s.tail_phys)
@@ -57,17 +59,19 @@ def check_padding(layer, start: int, mask2d: torch.Tensor | None) -> tuple[torch
             )
     # Without a mask nothing is padded: decided on the host, so an unpadded chunk costs no host sync.
     padded = mask2d is not None and bool(lead.any())
-    if start and (padded != s.padded or (padded and not torch.equal(lead, s.valid_lo))):
+    if start and (padded != s.padded or (padded and not torch.equal(lead, s.valid_lo - layer.origin))):
         raise ValueError("a later prompt chunk changed the left padding of rows already in the cache")
     return lead, padded
 
 
 def observe_chunk(layer, keys: torch.Tensor, start: int, padding: tuple[torch.Tensor, bool]) -> None:
-    """Take the chunk's left padding (:func:`check_padding`) and fold its keys into the MinMax cache."""
+    """Take the chunk's left padding (:func:`check_padding`) and fold its keys into the MinMax cache.  The
+    kernels' ``valid_lo`` is a storage position: the first ``origin`` positions count as padding."""
     s = layer.storage
     lead, s.padded = padding
-    s.valid_lo.copy_(lead)  # in place: a decode graph reads it at its address
-    s.ops.minmax_update(s.kmin, s.kmax, keys, start, s.valid_lo, layer.config.page_size)
+    s.valid_lo.copy_(lead + layer.origin)  # in place: a decode graph reads it at its address
+    layer.reranker.first_page.copy_(torch.div(s.valid_lo, layer.config.page_size, rounding_mode="floor"))
+    s.ops.minmax_update(s.kmin, s.kmax, keys, layer.origin + start, s.valid_lo, layer.config.page_size)
 
 
 def attend_chunk(layer, handle, query: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -80,7 +84,7 @@ def attend_chunk(layer, handle, query: torch.Tensor, scaling: float) -> torch.Te
         keys, values = gather_tokens(layer, handle.start, then=(handle.keys, handle.values))
     key_valid = None
     if s.padded:
-        key_valid = torch.arange(keys.shape[2], device=s.device)[None, :] >= s.valid_lo[:, None]
+        key_valid = torch.arange(keys.shape[2], device=s.device)[None, :] >= (s.valid_lo - layer.origin)[:, None]
     out = dense_attention(query, keys, values, key_valid, scaling)
     if handle.start == 0 and layer.reranker.num_stable:
         seat_prompt_top_k(layer, query[:, :, -1], handle.offloaded, scaling)
@@ -96,13 +100,13 @@ def seat_prompt_top_k(layer, q: torch.Tensor, offloaded: tuple[torch.Tensor, tor
     decode step loads them from the host; the schedule re-ranks them next R steps later (or on their staggered
     phase), not at step 0.  On the copy stream, behind the chunk's offload."""
     s, ps = layer.storage, layer.config.page_size
-    n = num_pages(layer.seq_len, ps)
+    n = num_pages(layer.origin + layer.seq_len, ps)
     with copy_context(s.copies):
         s.copies.keep_alive(q)
         wanted = layer.reranker.seat_prompt(s.ops, q, s.kmin, s.kmax, n, scaling)
         if offloaded is not None:  # the offloaded heads are the stable ones, in the same order
             pages, phys = s.slots.reseat(s.ops, wanted)
-            seat_from_chunk(s.pool, pages, phys, *offloaded, ps)
+            seat_from_chunk(s.pool, pages, phys, *offloaded, ps, first=layer.origin)
     layer.state.anchor_of(layer.layer_idx).fill_(n - 1)  # the newest page when they were ranked
     s.copies_pending = True
 
@@ -118,9 +122,10 @@ def gather_tokens(layer, end: int, then: tuple[torch.Tensor, torch.Tensor] | Non
     values = torch.empty_like(keys)
     if T:
         keys[:, :, end:], values[:, :, end:] = then
+    o = layer.origin
     if s.full_heads.numel():
-        keys[:, s.full_heads, :end] = s.pool.full_tokens("k")[:, :, :end]
-        values[:, s.full_heads, :end] = s.pool.full_tokens("v")[:, :, :end]
+        keys[:, s.full_heads, :end] = s.pool.full_tokens("k")[:, :, o : o + end]
+        values[:, s.full_heads, :end] = s.pool.full_tokens("v")[:, :, o : o + end]
     if s.offloads:
         prefetched, s.prefetched = s.prefetched, None
         hk, hv = prefetched[1:] if prefetched is not None and prefetched[0] == end else _read_prefix(layer, end)
@@ -136,9 +141,9 @@ def _read_prefix(layer, end: int) -> tuple[torch.Tensor, torch.Tensor]:
     s = layer.storage
     hk = torch.empty((s.batch, s.slot_heads.numel(), end, s.head_dim), dtype=s.dtype, device=s.device)
     hv = torch.empty_like(hk)
-    s.flush_newest_page(layer.seq_len)
+    s.flush_newest_page(layer.origin + layer.seq_len)
     with copy_context(s.copies):
-        s.host.read_tokens(hk, hv)
+        s.host.read_tokens(hk, hv, first=layer.origin)
     return hk, hv
 
 

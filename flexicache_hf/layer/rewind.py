@@ -23,16 +23,16 @@ from ..tiers import copy_context, load_promoted
 
 def rewind(layer, end: int) -> None:
     """Keep the first ``end`` (> 0) tokens of ``layer`` (its schedule already set back by the cache)."""
-    s, ps = layer.storage, layer.config.page_size
+    s, ps, o = layer.storage, layer.config.page_size, layer.origin
     s.join_copies()  # queued tier copies land before the slots change
     s.prefetched = None
-    newest = (end - 1) // ps
+    newest = (o + end - 1) // ps  # (storage positions: the schedule's origin first)
     layer.reranker.forget_after(newest)
     if s.offloads:
         anchor = layer.state.anchor_page(layer.layer_idx, layer.state.host_step - 1)
         _reseat(layer, newest, anchor)
-        s.host_current = end % ps == 0  # a partial newest page: its slot is the current copy
-    _refold(layer, newest, end, num_pages(layer.seq_len, ps))
+        s.host_current = (o + end) % ps == 0  # a partial newest page: its slot is the current copy
+    _refold(layer, newest, o + end, num_pages(o + layer.seq_len, ps))
     layer.seq_len = end
 
 
@@ -55,7 +55,8 @@ def _reseat(layer, newest: int, anchor: int) -> None:
 
 
 def _refold(layer, newest: int, end: int, pages: int) -> None:
-    """MinMax: the newest kept page from the keys it keeps (valid ones), the pages after it empty again."""
+    """MinMax: the newest kept page from the keys it keeps up to storage position ``end`` (valid ones), the pages
+    after it (up to ``pages``) empty again."""
     s, ps = layer.storage, layer.config.page_size
     s.kmin[:, :, newest:pages].fill_(float("inf"))
     s.kmax[:, :, newest:pages].fill_(float("-inf"))

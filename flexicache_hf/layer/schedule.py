@@ -9,6 +9,13 @@ pointers.  The host keeps a mirror (:class:`StepPlan`) of the same integers whil
 reseat).  Decode steps replayed from a graph leave the mirror behind; it is re-read from the device (one
 synchronisation) the next time the host needs it, never inside a step.
 
+Positions here are **storage positions**: a token at model position ``t`` is stored at ``origin + t``, where
+``origin = -T mod page_size`` for the first prompt chunk's ``T`` tokens, so that chunk ends on a page boundary.
+Left padding is a prefix of the chunk, so every row's pages are counted back from the same end: a row's pages
+are the ones it has alone, whatever its neighbours' lengths (with pages counted from position 0 they moved with
+the padding, and a row's answer with its batch).  The first ``origin`` positions hold nothing (they count as
+padding).
+
 The same object counts what the steps did (:class:`DeviceCounters`), on the device, read when asked.
 """
 
@@ -46,7 +53,8 @@ GRAPH_PLAN = StepPlan(None, None, None, None)  # a captured step: nothing is kno
 class DecodeState:
     """Device scalars of the current decode step, shared by every layer of one cache.
 
-    Persistent counters: ``length`` (tokens stored once this step's token is in, capped at ``capacity``),
+    Persistent counters: ``origin`` (the storage position of model position 0, see the module docstring),
+    ``length`` (the storage position after this step's token, capped at ``origin + capacity``),
     ``step`` (decode steps since the last prompt chunk), ``rerank_all`` (step 0 re-ranks every head: the last
     prompt chunk was a follow-up one, whose pages no selection has seen), ``overflow`` (a step went past
     ``capacity``: set in a graph, raised by the host).  Per step, from :meth:`advance`: ``current`` (this
@@ -70,13 +78,14 @@ class DecodeState:
         self.capacity = capacity  # tokens the buffers hold (None: they grow, so no graph is captured)
         long = lambda: torch.zeros(1, dtype=torch.long, device=self.device)  # noqa: E731
         flag = lambda: torch.zeros(1, dtype=torch.bool, device=self.device)  # noqa: E731
-        self.length, self.step, self.current = long(), long(), long()
+        self.length, self.step, self.current, self.origin = long(), long(), long(), long()
         self.pos, self.page, self.offset, self.num_pages = long(), long(), long(), long()
         self.new_page, self.page_full, self.overflow, self.rerank_all = flag(), flag(), flag(), flag()
         self.phases = [torch.full((1,), ph, dtype=torch.long, device=self.device) for ph in self.phases_host]
         self.due = [flag() for _ in self.phases_host]
         self.anchor = [long() for _ in self.phases_host]
         self.host_length = 0  # the host's mirror of `length` and `step` (valid unless `stale`)
+        self.host_origin = 0  # the host's mirror of `origin` (set by the first chunk, never by a step)
         self.host_step = 0
         self.host_rerank_all = False
         self.stale = False  # graph replays advanced the device state past the mirror
@@ -86,7 +95,7 @@ class DecodeState:
 
     def tensors(self) -> list[torch.Tensor]:
         """The state that changes (what reset() clears; the phases are configuration)."""
-        return [self.length, self.step, self.current, self.pos, self.page, self.offset, self.num_pages,
+        return [self.length, self.step, self.current, self.origin, self.pos, self.page, self.offset, self.num_pages,
                 self.new_page, self.page_full, self.overflow, self.rerank_all, self.counters.values, *self.due,
                 *self.anchor]
 
@@ -106,9 +115,10 @@ class DecodeState:
     def advance(self) -> None:
         """Plan the next decode token (tensor operations only: runs inside a captured graph)."""
         ps = self.page_size
-        pos = self.length if self.capacity is None else torch.clamp_max(self.length, self.capacity - 1)
-        if self.capacity is not None:
-            self.overflow.logical_or_(self.length >= self.capacity)
+        end = None if self.capacity is None else self.origin + self.capacity  # positions the buffers hold
+        pos = self.length if end is None else torch.minimum(self.length, end - 1)
+        if end is not None:
+            self.overflow.logical_or_(self.length >= end)
         self.pos.copy_(pos)
         self.page.copy_(torch.div(pos, ps, rounding_mode="floor"))
         self.offset.copy_(pos - self.page * ps)
@@ -147,6 +157,10 @@ class DecodeState:
         after a follow-up chunk (pages no selection has scored) step 0 re-ranks every head."""
         self.sync()
         follow_up = self.host_length > 0
+        if not follow_up:  # the first chunk ends on a page boundary: its rows' pages are counted back from there
+            self.host_origin = -tokens % self.page_size
+            self.origin.fill_(self.host_origin)
+            self.host_length = self.host_origin
         self.host_length += tokens
         self.host_step = 0
         self.host_rerank_all = follow_up
@@ -159,6 +173,8 @@ class DecodeState:
         """Take ``other``'s schedule (a state made part-way through the first prompt forward, for a later device
         of a model split across devices: layer 0 already counted the chunk in ``other``)."""
         other.sync()
+        self.host_origin = other.host_origin
+        self.origin.fill_(other.host_origin)
         self.restore(other.host_length, other.host_step, other.host_rerank_all)
 
     # ---- going back -------------------------------------------------------------------------------------
@@ -223,7 +239,7 @@ class DecodeState:
     def reset(self) -> None:
         for t in self.tensors():
             t.zero_()
-        self.host_length = self.host_step = 0
+        self.host_length = self.host_step = self.host_origin = 0
         self.host_rerank_all = False
         self.stale, self.overflowed, self.plan = False, False, None
 

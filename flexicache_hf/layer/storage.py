@@ -83,21 +83,28 @@ class LayerStorage:
         raise ValueError(f"FlexiCache was filled with {differs}; {fix}")
 
     # ---- room -------------------------------------------------------------------------------------------
-    def ensure_capacity(self, end: int, seq_len: int, max_tokens: int | None, host_elsewhere: int) -> None:
-        """Room for ``end`` tokens: everything sized once for ``max_tokens`` (``max_cache_len``) when given, else
-        grown with headroom (amortised O(1) per token).  ``host_elsewhere``: host bytes the cache's other layers
-        hold (the host cap is the cache's); ``seq_len``: tokens held now."""
+    def pages_for(self, end: int, max_tokens: int | None) -> int | None:
+        """The page capacity that room for ``end`` tokens takes, or None where there is room: ``max_tokens``'
+        (``max_cache_len``) when given, else grown with headroom (amortised O(1) per token).  Storage positions lead
+        model positions by less than a page (the schedule's ``origin``): room is made for ``page_size - 1`` more."""
         ps = self.config.page_size
-        need = num_pages(end, ps)
+        need = num_pages(end + ps - 1, ps)
         if need <= self.page_capacity:
+            return None
+        return num_pages(max_tokens + ps - 1, ps) if max_tokens is not None else grown_capacity(need, self.page_capacity)
+
+    def ensure_capacity(self, end: int, stored: int, max_tokens: int | None, host_elsewhere: int) -> None:
+        """Room for ``end`` tokens (:meth:`pages_for`).  ``host_elsewhere``: host bytes the cache's other layers
+        hold (the host cap is the cache's); ``stored``: the storage position after the tokens held now."""
+        cap = self.pages_for(end, max_tokens)
+        if cap is None:
             return
-        cap = num_pages(max_tokens, ps) if max_tokens is not None else grown_capacity(need, self.page_capacity)
         self.host.grow(cap, host_elsewhere)  # first: it is the one that may refuse (host memory), before any change
         # Offloaded heads never need more slots than pages exist, so short contexts do not pay for the budget.
         slots = min(self.config.resident_slots, cap) if self.offloads else 0
         self.pool.grow(cap, slots)
         self.slots.relayout(self.pool)
-        self.find_tail(seq_len)
+        self.find_tail(stored)
         B, H, old, D = self.kmin.shape
         pad = (B, H, cap - old, D)
         self.kmin = torch.cat([self.kmin, self.kmin.new_full(pad, float("inf"))], dim=2)
@@ -105,16 +112,14 @@ class LayerStorage:
 
     def host_bytes_for(self, end: int, max_tokens: int | None) -> int:
         """Host bytes the host tier holds once :meth:`ensure_capacity` made room for ``end`` tokens."""
-        need = num_pages(end, self.config.page_size)
-        if need <= self.page_capacity:
-            return self.host.nbytes()
-        return self.host.bytes_for(num_pages(max_tokens, self.config.page_size) if max_tokens is not None
-                                   else grown_capacity(need, self.page_capacity))
+        cap = self.pages_for(end, max_tokens)
+        return self.host.nbytes() if cap is None else self.host.bytes_for(cap)
 
-    def find_tail(self, seq_len: int) -> None:
-        """Point ``tail_phys`` at the slots holding the newest page again (after the slots were re-laid)."""
-        if seq_len and self.offloads:
-            self.tail_phys.copy_(self.slots.phys_of((seq_len - 1) // self.config.page_size))
+    def find_tail(self, stored: int) -> None:
+        """Point ``tail_phys`` at the slots holding the newest page again (after the slots were re-laid); ``stored``:
+        the storage position after the newest token (0: none)."""
+        if stored and self.offloads:
+            self.tail_phys.copy_(self.slots.phys_of((stored - 1) // self.config.page_size))
 
     def buffers(self) -> list[torch.Tensor]:
         """Every device tensor a decode step reads or writes here (fixed addresses once sized for max_cache_len)."""
@@ -131,13 +136,14 @@ class LayerStorage:
             self.copies.hand_off()
             self.copies_pending = False
 
-    def flush_newest_page(self, seq_len: int) -> None:
-        """Copy the newest page of the offloaded heads to the host while it is partly filled: decode tokens
-        go to its device slot only (a page is offloaded once, when it fills), so until then the host lacks them."""
+    def flush_newest_page(self, stored: int) -> None:
+        """Copy the newest page of the offloaded heads (``stored``: the storage position after its last token) to the
+        host while it is partly filled: decode tokens go to its device slot only (a page is offloaded once, when it
+        fills), so until then the host lacks them."""
         ps = self.config.page_size
-        if not self.host_current and seq_len % ps and self.offloads:
+        if not self.host_current and stored % ps and self.offloads:
             with copy_context(self.copies):
-                offload_page(self.ops, self.pool, self.host, (seq_len - 1) // ps, self.tail_phys)
+                offload_page(self.ops, self.pool, self.host, (stored - 1) // ps, self.tail_phys)
         self.host_current = True
 
     # ---- rows and emptying ------------------------------------------------------------------------------
@@ -152,7 +158,7 @@ class LayerStorage:
         self.padded, self.host_current, self.copies_pending = False, True, False
         self.prefetched = None
 
-    def select_rows(self, index: torch.Tensor, seq_len: int) -> None:
+    def select_rows(self, index: torch.Tensor, stored: int) -> None:
         """Keep rows ``index`` (device int64; beam reorder / batch expansion), copying their pages."""
         self.join_copies()
         old = self.pool.layout
@@ -174,7 +180,7 @@ class LayerStorage:
         self.host.batch = B
         self.kmin, self.kmax, self.valid_lo = self.kmin[index], self.kmax[index], self.valid_lo[index]
         self.tail_phys = torch.zeros((B, self.slot_heads.numel()), dtype=torch.long, device=self.device)
-        self.find_tail(seq_len)
+        self.find_tail(stored)
 
     def nbytes(self) -> int:
         """Device bytes held: pages (null page and slack included), page table, MinMax cache."""

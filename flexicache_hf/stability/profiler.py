@@ -83,13 +83,14 @@ class _Recorder(SelectionObserver):
         H, L = keys.shape[1], keys.shape[2]
         logits = torch.einsum("bhgd,bhld->bhgl", q.view(B, H, Hq // H, D), keys.float())
         logits = logits * self.scaling.get(event.layer_idx, D ** -0.5)
-        lo = int(layer.storage.valid_lo[0])  # left padding (none for a single prompt, but be exact)
+        o = layer.origin  # the cache's pages start o positions before the first token (layer/schedule.py)
+        lo = int(layer.storage.valid_lo[0]) - o  # left padding (none for a single prompt, but be exact)
         if lo:
             logits[..., :lo] = float("-inf")
         p = torch.softmax(logits, dim=-1)
         ps = layer.config.page_size
-        n = num_pages(L, ps)
-        p = torch.nn.functional.pad(p, (0, n * ps - L))
+        n = num_pages(o + L, ps)
+        p = torch.nn.functional.pad(p, (o, n * ps - L - o))
         return p.view(B, H, -1, n, ps).sum(-1).amax(2)[0]
 
 
