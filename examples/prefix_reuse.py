@@ -15,6 +15,7 @@ import torch
 
 from flexicache_hf import FlexiCache
 from flexicache_hf.data import load_documents, token_ids
+from flexicache_hf.hf_compat import forward_cache_kwarg, generate_cache_kwarg
 from flexicache_hf.models import load_default_model
 
 model, tok = load_default_model()
@@ -31,7 +32,7 @@ prefix = torch.tensor([token_ids(tok(head, add_special_tokens=False))])
 prompt_cache = FlexiCache("SmolLM2-135M-Instruct", token_budget=512, model_config=model.config)
 t0 = time.perf_counter()
 with torch.no_grad():  # fill the cache with the prefix only
-    model(prefix, past_key_values=prompt_cache)
+    model(prefix, **{forward_cache_kwarg(model): prompt_cache})
 print(f"prefix: {prefix.shape[1]} tokens prefilled once in {time.perf_counter() - t0:.1f} s")
 
 for question in ("What is this document about?", "Name one thing it says you should avoid.",
@@ -40,7 +41,7 @@ for question in ("What is this document about?", "Name one thing it says you sho
     ids = torch.cat([prefix, suffix], 1)
     cache = copy.deepcopy(prompt_cache)  # the prefix's pages, independent of the other questions
     t0 = time.perf_counter()
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=32,
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), **{generate_cache_kwarg(): cache}, max_new_tokens=32,
                          do_sample=False)
     answer = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
     print(f"\n> {question}  ({suffix.shape[1]} new prompt tokens, {time.perf_counter() - t0:.1f} s)\n{answer}")

@@ -6,7 +6,7 @@ with transformers' public ``AttentionInterface`` / ``AttentionMaskInterface``.
 
 from .attention import register as _register
 from .cache import CacheStats, FlexiCache
-from .handle import CacheStateError, PagedKV, UnsupportedModelError
+from .handle import CacheStateError, ConcurrentUseError, PagedKV, UnsupportedModelError
 from .layer import FlexiCacheLayer
 from .config import ConfigError, FlexiCacheConfig
 from .head_profile import HeadProfile, ModelIdentity, ProfileError, resolve_profile
@@ -19,6 +19,7 @@ _register()
 __all__ = [
     "CacheStateError",
     "CacheStats",
+    "ConcurrentUseError",
     "ConfigError",
     "FlexiCache",
     "FlexiCacheConfig",

@@ -106,6 +106,16 @@ def _refuse_unsupported(kwargs: dict) -> None:
 
 
 def _attend_paged(module, query, handle: PagedKV, attention_mask, scaling: float, dropout: float, kwargs: dict):
+    try:
+        attention_mask = _paged_mask(query, handle, attention_mask, dropout, kwargs)
+    except Exception as e:  # refused before anything of the attention ran: the cache undoes the forward
+        handle.cache.refused(handle, e)
+        raise
+    return handle.cache.attend(handle, query, attention_mask, scaling, model_config=module.config)
+
+
+def _paged_mask(query, handle: PagedKV, attention_mask, dropout: float, kwargs: dict):
+    """The 2D padding mask (or None) FlexiCache attends a handle with; refuses what it cannot serve."""
     _refuse_unsupported(kwargs)
     decode = query.shape[2] == 1 and handle.start > 0
     if decode and attention_mask is not None and attention_mask.dim() == 4:
@@ -120,7 +130,7 @@ def _attend_paged(module, query, handle: PagedKV, attention_mask, scaling: float
         )
     if dropout:
         raise ValueError("FlexiCache serves inference only: attention dropout must be 0 (call model.eval())")
-    return handle.cache.attend(handle, query, attention_mask, scaling, model_config=module.config)
+    return attention_mask
 
 
 def register() -> None:

@@ -21,18 +21,20 @@ import torch
 from transformers.cache_utils import Cache
 
 from .config import FlexiCacheConfig
+from .crop import crop, undo_refused
 from .handle import CacheStateError, ForwardGuard, PagedKV
 from .head_profile import HeadProfile, resolve_profile
 from .kernels import MAX_SELECT_PAGES
 from .layer import FlexiCacheLayer, LayerSpec
 from .layer.schedule import DecodeState, state_for_device
 from .model_check import check_served
-from .stats import CacheStats, cache_stats
+from .stats import CacheAccounting, CacheStats
+from .tiers import check_host_limit
 from .recycling import KEEPER, storage_key
 from .rerank import SelectionObserver
 
 
-class FlexiCache(Cache):
+class FlexiCache(CacheAccounting, Cache):
     """Stability-aware hierarchical KV cache (FlexiCache) for transformers' ``generate``.
 
     Example::
@@ -84,6 +86,7 @@ class FlexiCache(Cache):
                   for i in range(self.profile.model.num_layers)]
         super().__init__(layers=layers)
         self.guard = ForwardGuard(len(layers))
+        self.before: dict[str, tuple] = {}  # each schedule's host mirror before the forward (undo_refused)
         key = storage_key(self)
         if key is not None:  # dropped, its storage serves the next cache of its shape (recycling.py: same
             # buffers, so a compiled step replays the CUDA graphs already recorded)
@@ -130,18 +133,17 @@ class FlexiCache(Cache):
             layer.drop()  # buffers kept by reset() for another batch or dtype: allocate anew
         if not layer.is_initialized:
             layer.lazy_initialization(key_states, value_states, self.decode_state(key_states.device), self.tp_size)
-        if key_states.shape[0] != layer.storage.batch:
-            raise ValueError(
-                f"FlexiCache was filled with batch size {layer.storage.batch} and now receives {key_states.shape[0]}; "
-                "use a fresh FlexiCache per batch (or batch_select_indices / batch_repeat_interleave)"
-            )
+        layer.storage.check_states(key_states)  # FlexiCache's own message, before anything is written
         if layer_idx == 0:
             self.sync()  # after graph replays: the host learns the length (and refuses an overflow)
         start, T = layer.seq_len, key_states.shape[2]
         self.check_length(start + T)
+        if layer_idx == 0:  # every layer's host tier, before any layer grows
+            check_host_limit(sum(each.host_bytes_for(start + T) for each in self.layers), self.config.host_memory_limit)
+        layer.grow(start + T, self.host_bytes() - layer.host_bytes())  # (room only: the tokens stay as they are)
         self.guard.begin(layer_idx, "update", empty=start == 0)  # validated: from here on storage changes
-        layer.grow(start + T, self.host_bytes() - layer.host_bytes())
         if layer_idx == 0:  # plan the step once, for every layer
+            self.before = {key: state.mirror() for key, state in self.states.items()}  # (undo_refused)
             for state in self.states.values():
                 state.begin_eager_step() if T == 1 and start > 0 else state.add_chunk(T)
         offloaded = layer.store(key_states, value_states)
@@ -157,7 +159,8 @@ class FlexiCache(Cache):
         if not layer.is_initialized or key_states.shape[2] != 1:
             raise CacheStateError(
                 "a compiled FlexiCache forward serves single-token decode steps of a cache filled by an eager prompt "
-                "forward (generate does exactly this); run prompts eagerly"
+                "forward (generate does exactly this); run prompts eagerly (assisted decoding verifies drafts in "
+                "multi-token forwards: generate(..., disable_compile=True) with a sized FlexiCache)"
             )
         if layer_idx == 0:
             for state in self.states.values():
@@ -172,16 +175,22 @@ class FlexiCache(Cache):
         by the attention function with the module's config, checked here at the first forward)."""
         idx = handle.layer_idx
         layer = self.layers[idx]
-        if model_config is not None:
-            self.check_model(model_config)
-            self.check_length(layer.seq_len)  # the first forward learns the context only here
-        if handle.cache is not self or handle.start + handle.keys.shape[2] != layer.seq_len:
-            raise CacheStateError(f"a stale FlexiCache handle reached layer {idx}'s attention")
-        self.guard.begin(idx, "attend")
-        if query.shape[2] == 1 and handle.start > 0:
+        decode = query.shape[2] == 1 and handle.start > 0
+        try:  # checks: a refusal here changed nothing of the attention
+            if model_config is not None:
+                self.check_model(model_config)
+                self.check_length(layer.seq_len)  # the first forward learns the context only here
+            if handle.cache is not self or handle.start + handle.keys.shape[2] != layer.seq_len:
+                raise CacheStateError(f"a stale FlexiCache handle reached layer {idx}'s attention")
+            self.guard.begin(idx, "attend")
+            lead = None if decode else layer.check_padding(handle, mask2d)
+        except Exception as e:
+            self.refused(handle, e)
+            raise
+        if decode:
             out = layer.attend_token(query, scaling)
         else:
-            layer.observe_chunk(handle, mask2d)
+            layer.observe_chunk(handle, lead)
             if handle.start and idx + 1 < len(self.layers):  # the next layer's host read overlaps this attention
                 self.layers[idx + 1].prefetch_prefix(handle.start)
             self.prompt_tokens += query.shape[2] if idx == 0 else 0
@@ -195,9 +204,19 @@ class FlexiCache(Cache):
         self.guard.end(idx, "attend")
         return out
 
+    def refused(self, handle: PagedKV, error: BaseException) -> None:
+        """An error raised at ``handle``'s attention before the attention changed anything (a 4D mask, right
+        padding, ``output_attentions``, another attention function, another model): at the forward's first layer
+        the forward is undone (that layer's update rolled back, the schedule set back), so the cache serves on as
+        before the call; elsewhere the error is noted for the next use."""
+        if not undo_refused(self, handle):
+            self.guard.note(error)
+
     def ensure_usable(self) -> None:
         """Act on a forward that stopped part-way (some layers hold its tokens, others not): one that began on an
-        empty cache lost nothing, so the cache is emptied; otherwise :class:`CacheStateError` until :meth:`reset`."""
+        empty cache lost nothing, so the cache is emptied; otherwise :class:`CacheStateError` until :meth:`reset`.
+        Another thread's forward under way is refused (``ConcurrentUseError``)."""
+        self.guard.check_thread()
         if self.guard.open:
             if not self.guard.began_empty:
                 raise self.guard.stopped_error()
@@ -253,6 +272,11 @@ class FlexiCache(Cache):
         self.sync()
         getattr(super(), method)(arg)
 
+    def crop(self, max_length: int) -> None:
+        """Drop the newest tokens (assisted decoding's rejected draft): ``crop(-n)`` drops ``n``, ``crop(n)`` keeps
+        the first ``n`` (transformers < 5.18's form), ``crop(0)`` changes nothing; see :mod:`flexicache_hf.crop`."""
+        crop(self, max_length)
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._rows("reorder_cache", beam_idx)
 
@@ -264,6 +288,7 @@ class FlexiCache(Cache):
 
     def reset(self) -> None:
         """Empty every layer (the cache is then as new: statistics too; the profile and config stay)."""
+        self.guard.check_thread()
         super().reset()
         self.guard.clear()
         self.prompt_tokens = 0
@@ -299,30 +324,6 @@ class FlexiCache(Cache):
             memo[id(shared)] = shared
         new.__dict__.update(copy.deepcopy(state, memo))
         return new
-
-    # ---- accounting -----------------------------------------------------------------------------------------
-    @property
-    def stats(self) -> CacheStats:
-        """What this cache did so far (a snapshot; synchronises with the device)."""
-        self.sync()
-        return cache_stats(self.layers, self.states, self.prompt_tokens)
-
-    def host_bytes(self) -> int:
-        return sum(layer.host_bytes() for layer in self.layers)
-
-    def device_bytes(self) -> int:
-        return sum(layer.device_bytes() for layer in self.layers)
-
-    def dense_bytes(self) -> int:
-        self.sync()
-        return sum(layer.dense_bytes() for layer in self.layers)
-
-    def memory_report(self) -> dict:
-        """Device / host bytes held now, against what ``DynamicCache`` would hold for the same tokens."""
-        self.sync()
-        dev, dense = self.device_bytes(), self.dense_bytes()
-        return {"tokens": self.get_seq_length(), "device_bytes": dev, "host_bytes": self.host_bytes(),
-                "dense_bytes": dense, "device_saving": 1 - dev / dense if dense else 0.0}
 
     def __repr__(self) -> str:
         c = self.config

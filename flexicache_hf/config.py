@@ -25,10 +25,19 @@ class FlexiCacheConfig:
 
     Args:
         page_size: tokens per KV page (a power of two; Triton tiles pages whole).
-        token_budget: tokens each KV head attends to per decode step (``token_budget // page_size`` pages,
-            the page holding the newest token included).  Paper default: 2048 (also 1024).
+        token_budget: the size of each KV head's top-K selection: ``K = token_budget // page_size`` pages, the
+            page holding the newest token always among them.  Paper default: 2048 (also 1024).  What a decode step
+            attends: an unstable head (re-ranked every step) and a stable head on its re-rank step attend exactly
+            their K selected pages; a stable head between re-ranks attends its last selection **plus every page
+            created since that re-rank**, at most ``ceil(rerank_interval / page_size)`` more (:attr:`max_recent_pages`):
+            up to ``K + ceil(R / page_size)`` pages, e.g. 4-page budget, pages of 8: 6 pages at R = 16, 12 at
+            R = 64.  That is the cost: attention reads up to that many pages per stable head and step, and the device
+            keeps ``K + R // page_size + 1`` slots per stable head (:attr:`resident_slots`).  Selections are never
+            wider than the pages the cache can hold, so a budget beyond the context costs what one covering it costs.
         rerank_interval: stable heads re-rank their top-K pages every ``rerank_interval`` decode steps
-            (R in the paper; 16).  Unstable heads re-rank every step.
+            (R in the paper; 16).  Unstable heads re-rank every step.  Between re-ranks a stable head also attends
+            the pages created since its last one (see ``token_budget``): a larger R re-ranks less often and attends
+            (and keeps on the device) up to ``R / page_size`` more pages.
         offload: keep only the top-K pages of stable heads on the accelerator and every page in (pinned)
             host memory.  ``False`` keeps every page on the device (sparse compute only, like Quest).
         host_memory_limit: cap in bytes on the host tier of one cache (``None``: no cap), counting what the
@@ -137,7 +146,8 @@ class FlexiCacheConfig:
 
     @property
     def budget_pages(self) -> int:
-        """K: pages attended per KV head per decode step."""
+        """K: the pages of a head's selection (a stable head between re-ranks attends :attr:`max_recent_pages` more
+        at most)."""
         return self.token_budget // self.page_size
 
     def rerank_phase(self, layer: int) -> int:
@@ -146,7 +156,8 @@ class FlexiCacheConfig:
 
     @property
     def max_recent_pages(self) -> int:
-        """Pages a stable head can gain between two re-ranks (new pages are attended until re-ranked)."""
+        """Pages a stable head can gain between two re-ranks (new pages are attended until re-ranked): a decode
+        step attends at most ``budget_pages + max_recent_pages`` pages of a stable head."""
         return -(-self.rerank_interval // self.page_size)
 
     @property

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,10 @@ class CacheStateError(RuntimeError):
     """The cache cannot serve this call: an earlier forward stopped part-way, or layers were driven out of order."""
 
 
+class ConcurrentUseError(CacheStateError):
+    """A thread used a FlexiCache while another thread's forward through it was under way."""
+
+
 class ForwardGuard:
     """One forward's progress through the cache: ``update(0), attend(0), update(1), ..., attend(L-1)``.
 
@@ -28,6 +33,7 @@ class ForwardGuard:
 
     def __init__(self, num_layers: int):
         self.num_layers = num_layers
+        self._lock = threading.Lock()  # opening a forward: the check of another thread's and the opening are one
         self.clear()
 
     def clear(self) -> None:
@@ -35,15 +41,52 @@ class ForwardGuard:
         self.open = False
         self.began_empty = True  # the open forward started on an empty cache (nothing of value to lose)
         self.failure: str | None = None  # the first error FlexiCache saw in the open forward
+        self.owner: threading.Thread | None = None  # the thread running the open forward
+
+    def __getstate__(self) -> dict:  # a lock and a thread belong to this process (a copy is made between forwards)
+        state = dict(self.__dict__)
+        del state["_lock"]
+        state["owner"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def in_use_elsewhere(self) -> bool:
+        """Whether another thread is running a forward through the cache now: the open forward's thread is alive,
+        is not this one, and no error of that forward reached FlexiCache (a forward that raised is over)."""
+        owner = self.owner
+        return (self.open and owner is not None and owner is not threading.current_thread() and owner.is_alive()
+                and self.failure is None)
+
+    def check_thread(self) -> None:
+        """Refuse a thread while another one's forward through the cache is under way (changing nothing)."""
+        if self.in_use_elsewhere():
+            raise ConcurrentUseError(
+                f"this FlexiCache is in use by another thread ({self.owner.name}), whose forward through it is under "
+                f"way (at layer {self.next[0]} of {self.num_layers}): a FlexiCache holds one sequence of tokens and "
+                "serves one forward at a time. Give each thread its own FlexiCache, or hand a cache to another "
+                "thread only between calls"
+            )
 
     def begin(self, layer: int, phase: str, empty: bool = False) -> None:
+        if (layer, phase) == (0, "update"):
+            with self._lock:  # no other thread can open the forward between the check and the opening
+                self.check_thread()
+                self._expect(layer, phase)
+                self.open, self.began_empty, self.failure = True, empty, None
+                self.owner = threading.current_thread()
+            return
+        self.check_thread()
+        self._expect(layer, phase)
+
+    def _expect(self, layer: int, phase: str) -> None:
         if (layer, phase) != self.next:
             raise CacheStateError(
                 f"FlexiCache layer {layer}'s {phase} came when layer {self.next[0]}'s {self.next[1]} was due: a "
                 "FlexiCache serves one forward at a time, through every layer in order"
             )
-        if (layer, phase) == (0, "update"):
-            self.open, self.began_empty, self.failure = True, empty, None
 
     def end(self, layer: int, phase: str) -> None:
         if phase == "update":
@@ -64,8 +107,9 @@ class ForwardGuard:
         )
 
     def note(self, error: BaseException) -> None:
-        """Remember the first error of the open forward, to name it when the cache is next used."""
-        if self.open and self.failure is None:
+        """Remember the first error of the open forward, to name it when the cache is next used (only the errors of
+        the thread running it: another thread's refusal is not this forward's failure)."""
+        if self.open and self.failure is None and self.owner in (None, threading.current_thread()):
             text = f"{type(error).__name__}: {error}"
             self.failure = text if len(text) <= 300 else text[:297] + "..."
 
@@ -94,14 +138,15 @@ class PagedKV:
         error = TypeError(WRONG_ATTENTION)
         for arg in (*args, *(kwargs or {}).values()):
             if isinstance(arg, PagedKV):
-                arg.cache.guard.note(error)
+                arg.cache.refused(arg, error)  # nothing of the attention ran: the forward is undone where it can be
+                break
         raise error
 
     def __getattr__(self, name):  # only reached for attributes a handle lacks (e.g. `.shape`)
         if name.startswith("__") or name == "cache":  # protocol probes (copy, pickle) and unset fields
             raise AttributeError(name)
         error = TypeError(f"{WRONG_ATTENTION} (an attention function asked the handle for `{name}`)")
-        self.cache.guard.note(error)
+        self.cache.refused(self, error)
         raise error
 
 

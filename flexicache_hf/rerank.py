@@ -58,8 +58,13 @@ class Reranker:
 
     def __init__(self, batch: int, num_kv_heads: int, unstable: tuple[int, ...], budget_pages: int,
                  max_recent: int, device: torch.device, sink_pages: int = 0, recent_pages: int = 0, *,
-                 stable_scoring: tuple[str, float], unstable_scoring: tuple[str, float]):
-        self.budget_pages, self.max_recent = budget_pages, max_recent
+                 stable_scoring: tuple[str, float], unstable_scoring: tuple[str, float], pages: int | None = None):
+        # K pages per head, and the pages a stable head gains between re-ranks; the tensors are as wide as the
+        # pages that can exist (``pages``, the layer's capacity, see fit), not as the budget: a budget beyond the
+        # context costs what a budget covering it costs.
+        self.budget_pages, self.recent_limit = budget_pages, max_recent
+        self.width, self.max_recent = (budget_pages, max_recent) if pages is None else (min(budget_pages, pages),
+                                                                                         min(max_recent, pages))
         # (group_score, bound_shrink) per kind of head (FlexiCacheConfig.stable_scoring / unstable_scoring)
         self.stable_scoring, self.unstable_scoring = tuple(stable_scoring), tuple(unstable_scoring)
         self.sink_pages, self.recent_pages = sink_pages, recent_pages
@@ -73,14 +78,25 @@ class Reranker:
         self.split_scoring = (self.stable_scoring != self.unstable_scoring and 0 < len(unstable) < num_kv_heads)
         self.is_stable = torch.ones(num_kv_heads, dtype=torch.bool, device=device)
         self.is_stable[list(unstable)] = False
-        self.recent_offsets = 1 + torch.arange(max_recent, device=device)  # pages after the anchor
+        self.recent_offsets = 1 + torch.arange(self.max_recent, device=device)  # pages after the anchor
         # Selected logical pages per head (ascending, -1 padded); rows of stable heads change only when due.
-        self.selected = torch.full((batch, num_kv_heads, budget_pages), -1, dtype=torch.long, device=device)
+        self.selected = torch.full((batch, num_kv_heads, self.width), -1, dtype=torch.long, device=device)
         self.reranks = torch.zeros(num_kv_heads, dtype=torch.long, device=device)  # per-head re-rank count
 
     def buffers(self) -> list[torch.Tensor]:
         return [self.all_heads, self.stable_heads, self.unstable_heads, self.is_stable, self.recent_offsets,
                 self.selected, self.reranks]
+
+    def fit(self, pages: int) -> None:
+        """Room for ``pages`` pages per head (the layer's grown capacity): the selection widens to
+        ``min(K, pages)`` (new entries -1), the recent window to ``min(max_recent, pages)``.  Never narrows."""
+        width, recent = min(self.budget_pages, pages), min(self.recent_limit, pages)
+        if width > self.width:
+            pad = self.selected.new_full((*self.selected.shape[:2], width - self.width), -1)
+            self.selected, self.width = torch.cat([self.selected, pad], -1), width
+        if recent > self.max_recent:
+            self.recent_offsets = 1 + torch.arange(recent, device=self.recent_offsets.device)
+            self.max_recent = recent
 
     def clear(self) -> None:
         """No page selected, no re-rank counted (in place)."""
@@ -112,7 +128,7 @@ class Reranker:
         else:
             scores = self._scores(ops, query, kmin, kmax, self.all_heads, num_pages, active, scale,
                                   self.unstable_scoring if self.num_stable == 0 else self.stable_scoring, keys)
-        ops.select_pages(scores, self.budget_pages, num_pages=num_pages, active=active, out=self.selected)
+        ops.select_pages(scores, self.width, num_pages=num_pages, active=active, out=self.selected)
         self.reranks.add_(active)
         return scores
 
@@ -123,7 +139,7 @@ class Reranker:
         staggered phase later); returns it, ``[B, num_stable, K]``."""
         heads = self.stable_heads
         wanted = ops.select_pages(self._scores(ops, query, kmin, kmax, heads, num_pages, None, scale,
-                                               self.stable_scoring), self.budget_pages)
+                                               self.stable_scoring), self.width)
         self.selected.index_copy_(1, heads, wanted)
         return wanted
 
@@ -158,3 +174,7 @@ class Reranker:
 
     def select_rows(self, index: torch.Tensor) -> None:
         self.selected = self.selected[index]
+
+    def forget_after(self, newest: int) -> None:
+        """Drop selected pages past ``newest`` (pages a crop removed; in place, the order kept)."""
+        self.selected.masked_fill_(self.selected > newest, -1)

@@ -34,3 +34,31 @@ def cache_stats(layers, states: dict, prompt_tokens: int) -> CacheStats:
         head_reranks=sum(int(layer.reranker.reranks.sum()) for layer in live),
         head_steps=c["decode_steps"] * sum(layer.storage.num_kv_heads for layer in live),
         promoted_pages=c["promoted_pages"], offloaded_pages=c["offloaded_pages"])
+
+
+class CacheAccounting:
+    """What a :class:`~flexicache_hf.FlexiCache` did and holds (its ``layers``, step schedules ``states`` and
+    ``prompt_tokens``; ``sync`` brings the host's lengths up to date after graph replays)."""
+
+    @property
+    def stats(self) -> CacheStats:
+        """What this cache did so far (a snapshot; synchronises with the device)."""
+        self.sync()
+        return cache_stats(self.layers, self.states, self.prompt_tokens)
+
+    def host_bytes(self) -> int:
+        return sum(layer.host_bytes() for layer in self.layers)
+
+    def device_bytes(self) -> int:
+        return sum(layer.device_bytes() for layer in self.layers)
+
+    def dense_bytes(self) -> int:
+        self.sync()
+        return sum(layer.dense_bytes() for layer in self.layers)
+
+    def memory_report(self) -> dict:
+        """Device / host bytes held now, against what ``DynamicCache`` would hold for the same tokens."""
+        self.sync()
+        dev, dense = self.device_bytes(), self.dense_bytes()
+        return {"tokens": self.get_seq_length(), "device_bytes": dev, "host_bytes": self.host_bytes(),
+                "dense_bytes": dense, "device_saving": 1 - dev / dense if dense else 0.0}

@@ -55,6 +55,16 @@ class HostMemoryError(MemoryError):
     """The host tier cannot grow: over ``FlexiCacheConfig.host_memory_limit`` or pinned allocation failed."""
 
 
+def check_host_limit(need: int, limit: int | None, rounded: bool = False) -> None:
+    """Refuse (HostMemoryError) host tiers that would hold ``need`` bytes over ``limit`` (host_memory_limit)."""
+    if limit is not None and need > limit:
+        note = " (pinned blocks are rounded up to a power of two)" if rounded else ""
+        raise HostMemoryError(
+            f"the host tier would need {format_bytes(need)}{note}, over host_memory_limit={format_bytes(limit)}; "
+            "raise the limit, shorten the prompt, or use FlexiCacheConfig(offload=False) to keep every page on the "
+            "device")
+
+
 class CopyStream:
     """A low-priority CUDA stream for tier copies, with event-based hand-off to the compute stream."""
 
@@ -168,23 +178,22 @@ class HostTier:
             n = self._bytes(page_capacity) * batch // self.batch
             raise HostMemoryError(f"allocating {format_bytes(n)} of {what} memory failed: {e}") from e
 
+    def bytes_for(self, page_capacity: int) -> int:
+        """Host bytes (K and V) this tier holds once grown to ``page_capacity`` pages."""
+        if page_capacity <= self.page_capacity or self.heads == 0:
+            return self.nbytes()
+        return 2 * self._held(self.capacity_for(page_capacity))
+
     def check_grow(self, page_capacity: int, other: int = 0) -> int:
         """The capacity ``grow(page_capacity)`` would allocate; raises HostMemoryError, changing nothing,
         when it would exceed ``host_memory_limit`` beside the ``other`` host bytes the cache's other layers hold."""
         if page_capacity <= self.page_capacity or self.heads == 0:
             return self.page_capacity
         cap = self.capacity_for(page_capacity)
-        limit = self.limit_bytes
         # The cap counts what the allocator holds: a pinned block is the rounded one even when the tier asks
         # for fewer pages, so the rounding is counted (and used as headroom) whether or not a cap is set.
-        need = 2 * self._held(cap) + other
-        if limit is not None and need > limit:
-            rounded = (" (pinned blocks are rounded up to a power of two)"
-                       if self.pinned and self._held(cap) > self._bytes(page_capacity) else "")
-            raise HostMemoryError(
-                f"the host tier would need {format_bytes(need)}{rounded}, over host_memory_limit="
-                f"{format_bytes(limit)}; raise the limit, shorten the prompt, or use "
-                "FlexiCacheConfig(offload=False) to keep every page on the device")
+        check_host_limit(2 * self._held(cap) + other, self.limit_bytes,
+                         rounded=self.pinned and self._held(cap) > self._bytes(page_capacity))
         return cap
 
     def grow(self, page_capacity: int, other: int = 0) -> None:

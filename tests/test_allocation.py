@@ -133,3 +133,24 @@ def test_pinned_tier_counts_the_allocators_rounded_block_against_the_cap():
         with pytest.raises(HostMemoryError, match=r"need 16,384 bytes \(pinned blocks are rounded up to a power of two\)"):
             t.grow(6)
         assert t.page_capacity == 0 and t.k is None  # refused before anything was allocated
+
+
+@pytest.mark.parametrize("page_size,budget,interval", [(16, 1 << 20, 16), (1, 1 << 16, 16), (16, 1 << 30, 1 << 30)])
+@pytest.mark.parametrize("max_cache_len", [None, 60])
+def test_a_budget_beyond_the_context_costs_what_one_covering_it_costs(page_size, budget, interval, max_cache_len):
+    """Selections and the recent window are as wide as the pages the cache can hold, not as the budget (or R):
+    a huge budget takes the memory of one covering every page the cache can hold, and gives the same tokens."""
+    cfg = tiny_config("llama", heads=4, kv_heads=2)
+    fc, _ = twin_models(cfg)
+    profile = HeadProfile.random(cfg, 0.25, seed=2)
+    ids = torch.randint(2, 96, (2, 40))
+    huge = FlexiCache(profile, page_size=page_size, token_budget=budget, rerank_interval=interval,
+                      max_cache_len=max_cache_len)
+    covering = FlexiCache(profile, page_size=page_size, token_budget=64 * page_size,  # pages beyond any capacity here
+                          rerank_interval=interval, max_cache_len=max_cache_len)
+    assert torch.equal(greedy(fc, ids, huge, 12), greedy(fc, ids, covering, 12))
+    assert huge.device_bytes() == covering.device_bytes()
+    for layer in huge.layers:
+        pages = layer.page_capacity
+        assert layer.reranker.selected.shape[-1] <= pages and layer.reranker.recent_offsets.numel() <= pages
+        assert layer.reranker.selected.nbytes < 2 ** 16

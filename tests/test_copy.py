@@ -134,12 +134,31 @@ def test_a_cache_left_unusable_refuses_to_be_copied(models):
     cfg, fc, dense = models
     cache = FlexiCache(HeadProfile.random(cfg, 0.34), **SMALL)
     greedy(fc, torch.randint(2, 96, (1, 20)), cache, n=3)
-    with pytest.raises(TypeError):
-        dense(torch.randint(2, 96, (1, 4)), past_key_values=cache)  # the wrong attention: fails at layer 0
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    hook = fc.model.layers[1].mlp.register_forward_hook(interrupt)  # after layer 0 attended and layer 1 stored
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            fc(torch.randint(2, 96, (1, 4)), past_key_values=cache)
+    finally:
+        hook.remove()
     with pytest.raises(CacheStateError, match="reset"):
         copy.deepcopy(cache)
     with pytest.raises(CacheStateError, match="reset"):
         pickle.dumps(cache)
+
+
+def test_a_forward_outside_no_grad_leaves_no_autograd_history_in_the_cache(models):
+    """The cache stores data, not autograd graphs: filled by forwards that track gradients, it copies."""
+    cfg, fc, _ = models
+    cache = FlexiCache(HeadProfile.random(cfg, 0.34), **SMALL)
+    ids = torch.randint(2, 96, (1, 20))
+    fc(ids, past_key_values=cache)
+    fc(ids[:, :1], past_key_values=cache)
+    assert not any(t.requires_grad for layer in cache.layers for t in layer.buffers())
+    assert copy.deepcopy(cache).get_seq_length() == 21
 
 
 def test_copy_of_an_unused_cache_works_like_a_new_one(models):

@@ -186,6 +186,46 @@ def test_the_cache_goes_in_under_the_name_this_transformers_takes():
     assert pipe.last_cache.get_seq_length() == 5 + 3
 
 
+def test_forward_callers_pass_the_cache_under_the_name_the_forward_takes():
+    """transformers 5.40 drops the model forward's ``past_key_values=`` (5.24 takes ``cache=`` and warns on the old
+    name): the eval harness and the benchmark's chunked prefill call the forward under the name the installed
+    release takes, and no forward call of the package or the examples spells the old name."""
+    import ast
+    import inspect
+    import pathlib
+    import warnings
+
+    from flexicache_hf.bench.generate.run import prefill_in_chunks
+    from flexicache_hf.eval.decoding import greedy as eval_greedy
+    from flexicache_hf.hf_compat import forward_cache_kwarg
+
+    cfg = tiny_config("llama", heads=4, kv_heads=2)
+    fc, dense = twin_models(cfg)
+    name = forward_cache_kwarg(fc)
+    assert name in inspect.signature(inspect.unwrap(type(fc).forward)).parameters
+    real = fc.forward
+
+    def forward_of_this_release(*args, **kwargs):  # refuses the old name where the forward has the new one
+        if name == "cache" and "past_key_values" in kwargs:
+            raise TypeError("forward() got an unexpected keyword argument 'past_key_values'")
+        return real(*args, **kwargs)
+
+    fc.forward = forward_of_this_release
+    ids = torch.randint(2, 96, (1, 30))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        rows = eval_greedy(fc, ids, FlexiCache(HeadProfile.random(cfg, 0.25), **FULL), 6)
+        cache = FlexiCache(HeadProfile.random(cfg, 0.25), **FULL)
+        prefill_in_chunks(fc, ids, cache, 8)
+    assert rows[0] == greedy(dense, ids, DynamicCache(), n=6)[0, 30:].tolist()
+    assert cache.get_seq_length() == 29
+    root = pathlib.Path(__file__).resolve().parent.parent
+    for path in [*root.joinpath("flexicache_hf").rglob("*.py"), *root.joinpath("examples").glob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and not (isinstance(node.func, ast.Attribute) and node.func.attr == "generate"):
+                assert "past_key_values" not in [k.arg for k in node.keywords], f"{path.name}:{node.lineno}"
+
+
 @pytest.mark.slow
 def test_smollm2_full_budget_equals_dense_on_corpus_prompt(smollm2):
     from flexicache_hf.data import long_prompt
@@ -224,6 +264,50 @@ def test_two_caches_two_models_in_threads():
     for t in threads:
         t.join()
     assert torch.equal(got["a"], want_a) and torch.equal(got["b"], want_b)
+
+
+def test_one_cache_two_threads_refuses_the_second_while_the_first_runs():
+    """A thread that reaches a cache while another thread's forward through it is under way gets a clear
+    ConcurrentUseError (generate, a forward, get_seq_length, reset, a copy), changing nothing: the first thread's
+    generation is exact, and the cache serves the second thread once the first is done."""
+    import copy
+    import threading
+
+    from flexicache_hf import ConcurrentUseError
+
+    cfg = tiny_config("llama", heads=4, kv_heads=2, layers=3)
+    fc, _ = twin_models(cfg)
+    make = lambda: FlexiCache(HeadProfile.random(cfg, 0.25), page_size=4, token_budget=16, rerank_interval=2)  # noqa: E731
+    cache = make()
+    ids, other = torch.randint(2, 96, (1, 40)), torch.randint(2, 96, (1, 21))
+    want = greedy(fc, ids, make())
+    inside, go = threading.Event(), threading.Event()
+    calls = []
+
+    def pause(*_):  # the first thread's decode step waits between layers 1 and 2 until the main thread is done
+        calls.append(1)
+        if len(calls) == 5:
+            inside.set()
+            go.wait(60)
+
+    hook = fc.model.layers[1].mlp.register_forward_hook(pause)
+    got = {}
+    worker = threading.Thread(target=lambda: got.setdefault("out", greedy(fc, ids, cache)))
+    worker.start()
+    try:
+        assert inside.wait(60)
+        for attempt in (lambda: greedy(fc, other, cache), lambda: fc(other, past_key_values=cache),
+                        cache.get_seq_length, cache.reset, lambda: copy.deepcopy(cache)):
+            with pytest.raises(ConcurrentUseError, match="in use by another thread"):
+                attempt()
+    finally:
+        go.set()
+        worker.join(60)
+        hook.remove()
+    assert torch.equal(got["out"], want)
+    cache.reset()  # the first thread is done: the cache serves this one
+    assert torch.equal(greedy(fc, other, cache), greedy(fc, other, make()))
+    assert cache.get_seq_length() == 21 + 23
 
 
 def test_stored_tokens_equal_dynamic_cache_after_decode_and_follow_up_chunk():
@@ -349,3 +433,39 @@ def test_offload_changes_where_pages_live_not_what_is_attended(i):
         logits[offload] = (conversation, torch.stack(out))
     assert torch.equal(logits[False][0], logits[True][0])
     torch.testing.assert_close(logits[True][1], logits[False][1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("R,most", [(16, 6), (64, 12)])
+def test_a_stable_head_attends_its_selection_and_the_pages_since_its_last_rerank_as_documented(R, most):
+    """Budget 4 pages of 8 tokens: between re-ranks a stable head attends its 4 pages plus every page created since
+    its last re-rank, up to K + ceil(R / page_size) pages (6 at R = 16, 12 at R = 64), which the configuration's
+    documentation states; an unstable head attends its K pages."""
+    import dataclasses
+
+    from flexicache_hf.kernels import reference
+
+    cfg = tiny_config("llama", heads=4, kv_heads=2)
+    fc, _ = twin_models(cfg)
+    profile = HeadProfile.random(cfg, 0.5, seed=1)  # one stable and one unstable KV head per layer
+    cache = FlexiCache(profile, page_size=8, token_budget=32, rerank_interval=R)
+    seen = {True: 0, False: 0}
+
+    def counting(layer):
+        def sparse_decode(q, k_pool, v_pool, table, pages, valid_lo, length, scale):
+            listed = (pages >= 0).sum(-1).amax(0)  # [H] pages attended per KV head (the widest row)
+            for h, n in enumerate(listed.tolist()):
+                stable = bool(layer.reranker.is_stable[h])
+                seen[stable] = max(seen[stable], n)
+            return reference.sparse_decode(q, k_pool, v_pool, table, pages, valid_lo, length, scale)
+        return sparse_decode
+
+    ids = torch.randint(2, 96, (1, 160))  # ends on a page boundary: the longest window follows the prompt's seat
+    fc(ids, past_key_values=cache)
+    for layer in cache.layers:
+        layer.storage.ops = dataclasses.replace(layer.storage.ops, sparse_decode=counting(layer))
+    tok = ids[:, -1:]
+    for _ in range(R + 2):
+        tok = fc(tok, past_key_values=cache).logits[:, -1:].argmax(-1)
+    assert seen == {True: most, False: 4}
+    doc = " ".join(FlexiCacheConfig.__doc__.split())
+    assert "plus every page created since that re-rank" in doc and "up to ``K + ceil(R / page_size)`` pages" in doc

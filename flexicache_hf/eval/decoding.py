@@ -9,19 +9,17 @@ do not support it), which is what fidelity's equal-length document prompts give.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
+from ..hf_compat import forward_cache_kwarg
 from .query_capture import capture_queries
 
 
 def _forward(model, ids: torch.Tensor, cache) -> torch.Tensor:
-    """Logits ``[B, vocab]`` (float32) of the last position after feeding ``ids [B, T]`` into ``cache``."""
-    with warnings.catch_warnings():
-        # `past_key_values` is renamed `cache` in newer transformers; the old name works on every version we run.
-        warnings.simplefilter("ignore", FutureWarning)
-        out = model(input_ids=ids.to(model.device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    """Logits ``[B, vocab]`` (float32) of the last position after feeding ``ids [B, T]`` into ``cache`` (under the
+    name this transformers' forward takes it)."""
+    out = model(input_ids=ids.to(model.device), **{forward_cache_kwarg(model): cache}, use_cache=True,
+                logits_to_keep=1)
     return out.logits[:, -1].float()
 
 

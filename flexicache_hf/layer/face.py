@@ -19,7 +19,7 @@ from ..head_profile import ModelIdentity
 from ..kernels import ops_for
 from ..rerank import Reranker, SelectionObserver
 from ..sharding import TensorParallel, kv_head_shard
-from . import decode, prefill
+from . import decode, prefill, rewind
 from .schedule import GRAPH_PLAN, DecodeState
 from .storage import LayerStorage
 
@@ -42,7 +42,7 @@ class LayerSpec:
 class FlexiCacheLayer(CacheLayerMixin):
     """Paged KV of one decoder layer (see the module docstring); driven by its :class:`~flexicache_hf.FlexiCache`."""
 
-    is_croppable = False
+    is_croppable = True  # through FlexiCache.crop
     is_sliding = False
 
     def __init__(self, spec: LayerSpec):
@@ -67,7 +67,7 @@ class FlexiCacheLayer(CacheLayerMixin):
         self.storage = LayerStorage(key_states, unstable, cfg, ops_for(key_states.device, prefer=self.spec.kernels))
         self.reranker = Reranker(B, H, unstable, cfg.budget_pages, cfg.max_recent_pages, key_states.device,
                                  cfg.sink_pages, cfg.recent_pages, stable_scoring=cfg.stable_scoring,
-                                 unstable_scoring=cfg.unstable_scoring)
+                                 unstable_scoring=cfg.unstable_scoring, pages=0)  # widened as the layer grows
         self.state = state
         self.seq_len = 0
         self.is_initialized = True
@@ -81,6 +81,7 @@ class FlexiCacheLayer(CacheLayerMixin):
         self.storage.join_copies()  # before growth re-lays the pool, and before a decode token enters a slot
         before = self.storage.page_capacity
         self.storage.ensure_capacity(end, self.seq_len, self.spec.max_tokens, host_elsewhere)
+        self.reranker.fit(self.storage.page_capacity)
         if self.spec.max_tokens is not None and self.storage.page_capacity != before:
             self.mark_static()  # allocated once, at a fixed address: a captured decode step may use them
 
@@ -103,6 +104,7 @@ class FlexiCacheLayer(CacheLayerMixin):
         """Store ``[B, H, T, D]`` states (the cache planned the step); returns the offloaded heads' part of a prompt
         chunk for the handle (``None`` for a decode token or without offloaded heads)."""
         start, T = self.seq_len, key_states.shape[2]
+        key_states, value_states = key_states.detach(), value_states.detach()  # stored data, no autograd history
         offloaded = None
         if T == 1 and start > 0:
             decode.append_token(self, key_states, value_states, self.state.plan)
@@ -131,8 +133,12 @@ class FlexiCacheLayer(CacheLayerMixin):
         """:meth:`attend_token` as ``torch.compile`` traces it (the step planned on the device only)."""
         return decode.attend_token(self, query[:, :, 0], scaling, GRAPH_PLAN)[:, None]
 
-    def observe_chunk(self, handle, mask2d: torch.Tensor | None) -> None:
-        prefill.observe_chunk(self, handle.keys, handle.start, mask2d)
+    def check_padding(self, handle, mask2d: torch.Tensor | None):
+        """Each row's left padding from a chunk's 2D mask; refuses right padding or a changed padding."""
+        return prefill.check_padding(self, handle.start, mask2d)
+
+    def observe_chunk(self, handle, lead) -> None:
+        prefill.observe_chunk(self, handle.keys.detach(), handle.start, lead)
 
     def attend_chunk(self, handle, query: torch.Tensor, scaling: float) -> torch.Tensor:
         return prefill.attend_chunk(self, handle, query, scaling)
@@ -195,12 +201,12 @@ class FlexiCacheLayer(CacheLayerMixin):
         pass
 
     def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove == 0:
-            return
-        raise NotImplementedError(
-            "FlexiCache cannot crop (assisted / speculative decoding rolls tokens back): offloaded pages and "
-            "the MinMax cache are append-only. Use DynamicCache for assisted generation."
-        )
+        raise TypeError("a FlexiCacheLayer is cropped by its FlexiCache (which sets the step schedule back first): "
+                        "call cache.crop(...)")
+
+    def rewind(self, end: int) -> None:
+        """Keep the first ``end`` (> 0) tokens (the cache set the step schedule back first; see :mod:`.rewind`)."""
+        rewind.rewind(self, end)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.select_rows(beam_idx)
@@ -229,6 +235,10 @@ class FlexiCacheLayer(CacheLayerMixin):
 
     def host_bytes(self) -> int:
         return self.storage.host.nbytes() if self.is_initialized else 0
+
+    def host_bytes_for(self, end: int) -> int:
+        """Host bytes once grown for ``end`` tokens (0 before the first forward: nothing known yet)."""
+        return self.storage.host_bytes_for(end, self.spec.max_tokens) if self.is_initialized else 0
 
     def dense_bytes(self) -> int:
         """Bytes ``DynamicCache`` would hold for the same tokens."""

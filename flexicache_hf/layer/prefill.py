@@ -41,9 +41,9 @@ def store_chunk(layer, keys: torch.Tensor, values: torch.Tensor, start: int):
     return k, v
 
 
-def observe_chunk(layer, keys: torch.Tensor, start: int, mask2d: torch.Tensor | None) -> None:
-    """Before attending a chunk: learn each row's left padding from its 2D mask, fold its keys into the MinMax
-    cache.  Raises (right padding, a changed padding) before anything else of the attention runs."""
+def check_padding(layer, start: int, mask2d: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
+    """Before attending a chunk: each row's left padding ``[B]`` from the chunk's 2D mask, and whether any row is
+    padded.  Refuses right padding (or gaps) and a follow-up chunk that changes the padding; changes nothing."""
     s = layer.storage
     if mask2d is None:
         lead = torch.zeros(s.batch, dtype=torch.long, device=s.device)
@@ -59,8 +59,14 @@ def observe_chunk(layer, keys: torch.Tensor, start: int, mask2d: torch.Tensor | 
     padded = mask2d is not None and bool(lead.any())
     if start and (padded != s.padded or (padded and not torch.equal(lead, s.valid_lo))):
         raise ValueError("a later prompt chunk changed the left padding of rows already in the cache")
+    return lead, padded
+
+
+def observe_chunk(layer, keys: torch.Tensor, start: int, padding: tuple[torch.Tensor, bool]) -> None:
+    """Take the chunk's left padding (:func:`check_padding`) and fold its keys into the MinMax cache."""
+    s = layer.storage
+    lead, s.padded = padding
     s.valid_lo.copy_(lead)  # in place: a decode graph reads it at its address
-    s.padded = padded
     s.ops.minmax_update(s.kmin, s.kmax, keys, start, s.valid_lo, layer.config.page_size)
 
 

@@ -159,11 +159,49 @@ class DecodeState:
         """Take ``other``'s schedule (a state made part-way through the first prompt forward, for a later device
         of a model split across devices: layer 0 already counted the chunk in ``other``)."""
         other.sync()
-        self.host_length, self.host_step = other.host_length, other.host_step
-        self.host_rerank_all = other.host_rerank_all
-        self.length.fill_(self.host_length)
-        self.step.fill_(self.host_step)
-        self.rerank_all.fill_(self.host_rerank_all)
+        self.restore(other.host_length, other.host_step, other.host_rerank_all)
+
+    # ---- going back -------------------------------------------------------------------------------------
+    def due_at(self, layer: int, step: int) -> bool:
+        """Host-side: whether ``layer``'s stable heads re-rank at decode step ``step`` (of the current chunk)."""
+        return (step > 0 and (step - self.phases_host[layer]) % self.interval == 0) or (step == 0 and
+                                                                                     self.host_rerank_all)
+
+    def anchor_page(self, layer: int, step: int) -> int:
+        """Host-side: the newest page when ``layer``'s stable heads last re-ranked, once decode step ``step`` of the
+        current chunk ran (``-1``: none ran): the page of its last due step, else the prompt chunk's last page (the
+        prompt's seat).  The anchor is a function of the schedule, so it can be set again after going back."""
+        end = self.host_length - self.host_step  # tokens when the last chunk ended; step i stores position end + i
+        last = step - (step - self.phases_host[layer]) % self.interval if step > 0 else 0
+        if last <= 0:
+            last = 0 if step >= 0 and self.host_rerank_all else -1
+        return (end + last) // self.page_size
+
+    def mirror(self) -> tuple[int, int, bool]:
+        """The host's ``(length, step, rerank_all)``: what :meth:`restore` takes to set the schedule back."""
+        return self.host_length, self.host_step, self.host_rerank_all
+
+    def restore(self, length: int, step: int, rerank_all: bool) -> None:
+        """Set the schedule to ``length`` tokens, ``step`` decode steps since the last chunk and the chunk's
+        ``rerank_all``, with every layer's anchor as those steps left it (in place: a captured step reads them)."""
+        self.host_length, self.host_step, self.host_rerank_all = length, step, rerank_all
+        self.length.fill_(length)
+        self.step.fill_(step)
+        self.rerank_all.fill_(rerank_all)
+        for layer, anchor in enumerate(self.anchor):
+            anchor.fill_(self.anchor_page(layer, step - 1))
+        self.plan = None
+
+    def crop(self, tokens: int) -> None:
+        """Forget the newest ``tokens`` tokens.  The decode steps that stored them are undone exactly when none of
+        them re-ranked a layer's stable heads (their selections are then those the kept steps made); otherwise, or
+        when the tokens reach into the last prompt chunk, the next step re-ranks every head, as after a follow-up
+        chunk."""
+        self.sync()
+        s, layers = self.host_step, range(len(self.phases_host))
+        exact = tokens <= min(s, self.interval) and not any(self.due_at(l, i) for l in layers
+                                                            for i in range(s - tokens, s))
+        self.restore(self.host_length - tokens, s - tokens if exact else 0, self.host_rerank_all if exact else True)
 
     def sync(self) -> None:
         """Bring the host mirror up to date after graph replays (one device synchronisation)."""

@@ -57,11 +57,30 @@ class LayerStorage:
     def page_capacity(self) -> int:
         return self.pool.layout.page_capacity
 
+    def mismatch(self, key_states: torch.Tensor) -> str | None:
+        """What of these states differs from the ones stored (batch, KV heads, head dim, dtype, device), or None."""
+        B, H, _, D = key_states.shape
+        for what, have, got in (("batch size", self.batch, B), ("KV heads", self.num_kv_heads, H),
+                                ("head dim", self.head_dim, D), ("dtype", self.dtype, key_states.dtype),
+                                ("device", self.device, key_states.device)):
+            if have != got:
+                return f"{what} {have} and now receives {got}".replace("torch.", "")
+        return None
+
     def fits(self, key_states: torch.Tensor) -> bool:
         """Whether this storage serves these states: same batch, heads, head dim, dtype and device."""
-        B, H, _, D = key_states.shape
-        return ((B, H, D) == (self.batch, self.num_kv_heads, self.head_dim) and key_states.dtype == self.dtype
-                and key_states.device == self.device)
+        return self.mismatch(key_states) is None
+
+    def check_states(self, key_states: torch.Tensor) -> None:
+        """Refuse states this storage cannot take (a ValueError naming the difference; nothing is changed)."""
+        differs = self.mismatch(key_states)
+        if differs is None:
+            return
+        fix = ("use a fresh FlexiCache per batch (or batch_select_indices / batch_repeat_interleave)"
+               if differs.startswith("batch") else
+               "a cache holds one model's states: continue with the model (and dtype, device) that filled it, or "
+               "reset() the cache")
+        raise ValueError(f"FlexiCache was filled with {differs}; {fix}")
 
     # ---- room -------------------------------------------------------------------------------------------
     def ensure_capacity(self, end: int, seq_len: int, max_tokens: int | None, host_elsewhere: int) -> None:
@@ -83,6 +102,14 @@ class LayerStorage:
         pad = (B, H, cap - old, D)
         self.kmin = torch.cat([self.kmin, self.kmin.new_full(pad, float("inf"))], dim=2)
         self.kmax = torch.cat([self.kmax, self.kmax.new_full(pad, float("-inf"))], dim=2)
+
+    def host_bytes_for(self, end: int, max_tokens: int | None) -> int:
+        """Host bytes the host tier holds once :meth:`ensure_capacity` made room for ``end`` tokens."""
+        need = num_pages(end, self.config.page_size)
+        if need <= self.page_capacity:
+            return self.host.nbytes()
+        return self.host.bytes_for(num_pages(max_tokens, self.config.page_size) if max_tokens is not None
+                                   else grown_capacity(need, self.page_capacity))
 
     def find_tail(self, seq_len: int) -> None:
         """Point ``tail_phys`` at the slots holding the newest page again (after the slots were re-laid)."""

@@ -42,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill-chunk", type=int, default=0, metavar="TOKENS",
                     help="flexicache rows prefill in eager chunks of this many tokens before generate (0: at once)")
     ap.add_argument("--new-tokens", type=int, default=256, help="tokens per measured call (default: 256)")
+    ap.add_argument("--prompt-lookup", type=int, default=0, metavar="N",
+                    help="greedy prompt-lookup decoding, N draft tokens from the prompt (transformers' assisted "
+                         "decoding; FlexiCache crops rejected drafts): batch 1, eager (drafts are verified in "
+                         "multi-token forwards); step times then count tokens, several per forward")
     ap.add_argument("--offloaded-tokens", type=int, default=16,
                     help="tokens of the offloaded row, whose steps take ~1 s at long contexts (default: 16)")
     ap.add_argument("--budget", type=int, default=1024, help="FlexiCache's token_budget (default: 1024)")

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from ...hf_compat import generate_cache_kwarg
+from ...hf_compat import forward_cache_kwarg, generate_cache_kwarg
 from .clock import StepClock, summarise
 from .device import (HostLimitError, cudagraph_recordings, dynamo_counts, empty_host_cache, error_record, kv_bytes,
                      pinned_stats, release)
@@ -55,6 +55,9 @@ def generate_once(model, ids, row: str, args, new: int, *, profile=None, stop_af
               stopping_criteria=StoppingCriteriaList([clock.stop]), pad_token_id=0)
     if eager or not is_compiled(row):
         kw["disable_compile"] = True
+    lookup = getattr(args, "prompt_lookup", 0)
+    if lookup:  # drafts are verified in multi-token forwards, which a compiled decode step does not take
+        kw.update(prompt_lookup_num_tokens=lookup, disable_compile=True)
     chunk = (args.static_prefill_chunk if row.startswith("static")
              else args.prefill_chunk if row.startswith("flexicache") else 0)
     if row == "offloaded" and args.host_limit_gb > 0:
@@ -94,7 +97,8 @@ def generate_once(model, ids, row: str, args, new: int, *, profile=None, stop_af
                pinned_allocs_during=after["pinned_allocs"] - before["pinned_allocs"],
                pinned_bytes_added=after["pinned_locked"] - before["pinned_locked"],
                dynamo_graphs_added=graphs1 - graphs0, batch=ids.shape[0], prompt_tokens=ids.shape[1],
-               compiled=is_compiled(row) and not eager, prefill_chunk_size=chunk or None)
+               compiled=is_compiled(row) and not eager and not lookup, prefill_chunk_size=chunk or None,
+               prompt_lookup=lookup or None)
     if rec0 is not None and rec1 is not None and rec1 >= rec0:
         res["cudagraphs_recorded"] = rec1 - rec0  # 0: every compiled step replayed graphs recorded earlier
     cg = {k: v - cg0.get(k, 0) for k, v in cg1.items() if v - cg0.get(k, 0)}
@@ -123,7 +127,7 @@ def prefill_in_chunks(model, ids: torch.Tensor, cache, chunk: int) -> None:
         for start in range(0, end, chunk):
             stop = min(start + chunk, end)
             model(input_ids=ids[:, start:stop], attention_mask=torch.ones_like(ids[:, :stop]),
-                  past_key_values=cache, use_cache=True, logits_to_keep=1)
+                  **{forward_cache_kwarg(model): cache}, use_cache=True, logits_to_keep=1)
 
 
 def profile_decode(model, ids, row, args, profile) -> dict:
