@@ -52,13 +52,11 @@ class FlexiCache(CacheAccounting, Cache):
         observer: a :class:`SelectionObserver` told of every re-rank (the stability profiler uses it).
         kernels: ``"reference"`` forces the PyTorch reference kernels on any device.
         count_pages: count attended pages per step in ``stats`` (a device counter: two small kernels per layer and step).
-        max_cache_len: the most tokens this cache will hold (prompt + ``max_new_tokens``, as for
-            ``StaticCache``).  Device pools, MinMax cache, tables and the pinned host tier are then allocated
-            once, at the first forward, and a longer sequence is refused; without it they grow with headroom.
-            With it, on CUDA, the cache is compileable: ``generate`` compiles and CUDA-graphs the decode step
-            as it does for StaticCache (``disable_compile=True`` keeps it eager).  A dropped sized cache's
-            storage is kept for the next cache of its shape, which takes it at its first forward
-            (``storage_reused`` then becomes true; :func:`flexicache_hf.release_storage` frees it).
+        max_cache_len: the most tokens this cache will hold (prompt + ``max_new_tokens``, as for ``StaticCache``):
+            everything is allocated once, at the first forward, a longer sequence is refused, and on CUDA ``generate``
+            compiles and CUDA-graphs the decode step as for StaticCache (``disable_compile=True`` keeps it eager).
+            Without it storage grows with headroom.  A dropped sized cache's storage serves the next cache of its
+            shape (``storage_reused``; :func:`flexicache_hf.release_storage` frees it).
     """
 
     def __init__(self, profile: HeadProfile | str | os.PathLike, config: FlexiCacheConfig | None = None, *,
@@ -70,7 +68,7 @@ class FlexiCache(CacheAccounting, Cache):
         self.profile = resolve_profile(profile, profiles_dir=profiles_dir)
         if kernels not in (None, "reference"):
             raise ValueError(f"kernels must be None or 'reference', got {kernels!r}")
-        self.kernels, self.observer, self.count_pages = kernels, observer, count_pages
+        self.kernels, self._observer, self.count_pages = kernels, observer, count_pages
         if max_cache_len is not None and (isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int)
                                           or max_cache_len < 1):
             raise ValueError(f"max_cache_len must be None or a positive number of tokens, got {max_cache_len!r}")
@@ -96,6 +94,14 @@ class FlexiCache(CacheAccounting, Cache):
             weakref.finalize(self, KEEPER.keep, key, self.layers, self.states).atexit = False
         if model_config is not None:
             self.check_model(model_config)
+
+    @property
+    def observer(self) -> SelectionObserver | None:  # fixed when the cache is made (its layers were told it)
+        return self._observer
+
+    @observer.setter
+    def observer(self, value) -> None:
+        raise AttributeError("a FlexiCache's observer is fixed when it is made: FlexiCache(profile, observer=...)")
 
     def _take_kept_storage(self, key_states: torch.Tensor) -> None:
         """At the first forward of a new cache, before anything is allocated: take the storage of the last dropped
@@ -208,10 +214,8 @@ class FlexiCache(CacheAccounting, Cache):
             self.guard.note(error)
 
     def ensure_usable(self) -> None:
-        """Act on a forward that stopped part-way (some layers hold its tokens, others not).
-
-        If it began on an empty cache nothing of value is lost: the cache is emptied and serves the next call as
-        a new one.  Otherwise it raises :class:`CacheStateError` naming the earlier failure, until :meth:`reset`.
+        """Act on a forward that stopped part-way (some layers hold its tokens, others not): one that began on an
+        empty cache lost nothing, so the cache is emptied; otherwise :class:`CacheStateError` until :meth:`reset`.
         Another thread's forward under way is refused (``ConcurrentUseError``)."""
         self.guard.check_thread()
         if self.guard.open:
@@ -264,8 +268,7 @@ class FlexiCache(CacheAccounting, Cache):
         return super().get_seq_length(layer_idx)
 
     def _rows(self, method: str, arg) -> None:
-        """Beam reorder / batch selection / expansion over every layer (each row's newest page is found from the
-        host's length, so the schedule is synchronised first)."""
+        """Beam reorder / batch selection / expansion (each row's newest page is found from the synchronised length)."""
         self.ensure_usable()
         self.sync()
         getattr(super(), method)(arg)
@@ -299,11 +302,9 @@ class FlexiCache(CacheAccounting, Cache):
 
     # ---- copies and pickles ---------------------------------------------------------------------------------
     def __getstate__(self) -> dict:
-        """What ``pickle`` / ``torch.save`` store: every layer's pages, tiers and selection state.
-
-        Pending tier copies finish first; CUDA streams and kernels are re-created (and the host tier re-pinned)
-        where the cache is loaded.  The checked model config is not stored: the next forward checks again.
-        """
+        """What ``pickle`` / ``torch.save`` store: every layer's pages, tiers and selection state (pending copies
+        finish first; streams and kernels are re-made and the host tier re-pinned where it is loaded; the model
+        config is checked again at the next forward)."""
         self.ensure_usable()
         for layer in self.layers:
             if layer.is_initialized:
@@ -315,11 +316,8 @@ class FlexiCache(CacheAccounting, Cache):
         return state
 
     def __deepcopy__(self, memo: dict) -> "FlexiCache":
-        """An independent cache holding the same tokens (transformers' prefix-reuse pattern).
-
-        The profile (immutable) and the observer (a callback, e.g. the profiler) are shared with the original;
-        everything else is copied.
-        """
+        """An independent cache holding the same tokens (transformers' prefix-reuse pattern); the profile
+        (immutable) and the observer (a callback, e.g. the profiler) are shared with the original."""
         state = self.__getstate__()
         new = type(self).__new__(type(self))
         memo[id(self)] = new

@@ -4,6 +4,7 @@ import ast
 import gc
 from pathlib import Path
 
+import pytest
 import torch
 
 import flexicache_hf
@@ -121,3 +122,11 @@ def test_layers_hold_no_reference_to_their_cache():
         assert layer.is_initialized
         assert not any(obj is cache for obj in reachable(layer))
     assert any(obj is cache.layers[0] for obj in reachable(cache))  # (the walk does find what is there)
+
+
+def test_the_observer_is_fixed_when_the_cache_is_made():
+    cfg = tiny_config("llama", heads=4, kv_heads=2, layers=2)
+    cache = FlexiCache(HeadProfile.random(cfg, 0.5, seed=1))
+    with pytest.raises(AttributeError, match="observer=..."):
+        cache.observer = object()
+    assert cache.observer is None and all(layer.spec.observer is None for layer in cache.layers)
