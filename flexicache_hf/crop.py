@@ -42,15 +42,15 @@ def crop(cache, max_length: int) -> None:
 def undo_refused(cache, handle) -> bool:
     """Undo the open forward if ``handle``'s attention, refused before it ran, is the forward's first (only layer 0
     has stored its tokens); returns whether it did.  A forward that began on an empty cache is emptied away."""
-    guard = cache.guard
+    guard, layer = cache.guard, cache.layers[0]
     if (handle.cache is not cache or handle.layer_idx != 0 or not guard.open or guard.next != (0, "attend")
-            or guard.owner is not threading.current_thread()):
+            or guard.owner is not threading.current_thread()
+            or handle.start + handle.keys.shape[2] != layer.seq_len):  # (a stale handle: not this forward's)
         return False
     if guard.began_empty:
         guard.clear()
         cache.reset()
         return True
-    layer = cache.layers[0]
     for key, state in cache.states.items():
         plan = state.plan
         if plan is not None and plan.num_pages is not None:  # a decode step: its counts go too
