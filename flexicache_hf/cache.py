@@ -141,7 +141,9 @@ class FlexiCache(CacheAccounting, Cache):
         self.check_length(start + T)
         if layer_idx == 0:  # every layer's host tier, before any layer grows
             check_host_limit(sum(each.host_bytes_for(start + T) for each in self.layers), self.config.host_memory_limit)
-        layer.grow(start + T, self.host_bytes() - layer.host_bytes())  # (room only: the tokens stay as they are)
+        # (room only: the tokens stay as they are; the other layers' host bytes are summed only when it grows)
+        grows = num_pages(start + T, self.config.page_size) > layer.page_capacity
+        layer.grow(start + T, self.host_bytes() - layer.host_bytes() if grows else 0)
         self.guard.begin(layer_idx, "update", empty=start == 0)  # validated: from here on storage changes
         if layer_idx == 0:  # plan the step once, for every layer
             self.before = {key: state.mirror() for key, state in self.states.items()}  # (undo_refused)
