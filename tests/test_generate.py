@@ -174,7 +174,7 @@ def test_the_cache_goes_in_under_the_name_this_transformers_takes():
     profile = HeadProfile.random(cfg, 0.25)
     ids = torch.randint(2, 96, (1, 40))
     caches = [FlexiCache(profile, page_size=4, token_budget=16, rerank_interval=3) for _ in range(2)]
-    a = fc.generate(ids, max_new_tokens=12, do_sample=False, **{name: caches[0]})
+    a = fc.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, **{name: caches[0]})
     b = greedy(fc, ids, caches[1], n=12)
     assert torch.equal(a, b) and caches[0].get_seq_length() == caches[1].get_seq_length() == 40 + 11
     pipe = pipeline("text-generation", model=fc, tokenizer=word_tokenizer(), pipeline_class=FlexiCachePipeline,
