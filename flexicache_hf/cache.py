@@ -7,9 +7,10 @@ exact attention for prompt chunks, top-K selection + sparse paged decode for sin
 the only channel between the two: no globals, no thread-locals, no patched model code.
 
 The cache owns what spans layers: the step schedule (one :class:`~flexicache_hf.layer.schedule.DecodeState` per
-device, advanced at layer 0), the order of a forward (:class:`~flexicache_hf.handle.ForwardGuard`), lengths, the
-host-memory cap over every layer, a follow-up chunk's prefix read started one layer ahead, the copies joined after
-the last layer, recycling, statistics.  A layer never refers to its cache.
+device, advanced at layer 0), the order of a forward (:class:`~flexicache_hf.handle.ForwardGuard`), lengths (a
+sized cache refuses a forward that would not fit before it runs, compiled or not:
+:meth:`FlexiCache.get_mask_sizes`), the host-memory cap over every layer, a follow-up chunk's prefix read started
+one layer ahead, the copies joined after the last layer, recycling, statistics.  A layer never refers to its cache.
 """
 
 from __future__ import annotations
@@ -53,10 +54,14 @@ class FlexiCache(CacheAccounting, Cache):
         kernels: ``"reference"`` forces the PyTorch reference kernels on any device.
         count_pages: count attended pages per step in ``stats`` (a device counter: two small kernels per layer and step).
         max_cache_len: the most tokens this cache will hold (prompt + ``max_new_tokens``, as for ``StaticCache``):
-            everything is allocated once, at the first forward, a longer sequence is refused, and on CUDA ``generate``
-            compiles and CUDA-graphs the decode step as for StaticCache (``disable_compile=True`` keeps it eager).
-            Without it storage grows with headroom.  A dropped sized cache's storage serves the next cache of its
-            shape (``storage_reused``; :func:`flexicache_hf.release_storage` frees it).
+            everything is allocated once, at the first forward, and on CUDA ``generate`` compiles and CUDA-graphs the
+            decode step as for StaticCache (``disable_compile=True`` keeps it eager).  A forward that would go past it
+            is refused before it runs, compiled or not, with a ``ValueError`` (the cache keeps its tokens and serves
+            on): a ``generate`` asked for more new tokens stops there, at the step that would not fit.  A compiled
+            forward called directly, not by ``generate``, is not checked first: a step past the end stays inside the
+            buffers, and the cache's next use raises ``OverflowError`` until :meth:`reset`.  Without it storage
+            grows with headroom.  A dropped sized cache's storage serves the next cache of its shape
+            (``storage_reused``; :func:`flexicache_hf.release_storage` frees it).
     """
 
     def __init__(self, profile: HeadProfile | str | os.PathLike, config: FlexiCacheConfig | None = None, *,
@@ -263,6 +268,32 @@ class FlexiCache(CacheAccounting, Cache):
                 layer.catch_up()
 
     # ---- HF cache API ---------------------------------------------------------------------------------------
+    def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
+        """The mask's ``(kv_length, kv_offset)`` for a forward of ``query_length`` tokens (the layer's answer).
+        transformers asks this before every forward that builds a mask, and ``generate`` asks it eagerly before
+        each step even when the step itself runs compiled (``prepare_inputs_for_generation`` builds a compileable
+        cache's mask with ``create_masks_for_generate``): so here, before the forward, a sized cache refuses tokens
+        that would not fit (:meth:`check_room`).  Inside a compiled forward nothing is checked."""
+        if not torch.compiler.is_compiling():
+            self.check_room(query_length.shape[0] if isinstance(query_length, torch.Tensor) else query_length)
+        return super().get_mask_sizes(query_length, layer_idx)
+
+    def check_room(self, tokens: int) -> None:
+        """Refuse (``ValueError``, before anything changes) a forward of ``tokens`` tokens that would go past
+        ``max_cache_len``, and announce it to the schedule.  A decode step replayed from a CUDA graph cannot refuse
+        itself, and the host does not follow replays; it counts the forwards announced since it last knew the
+        length as run (``DecodeState.surely_fits``, no synchronisation), and only when that count says these
+        tokens might not fit does it synchronise once to learn the exact length.  So a generate that fits never
+        waits for the GPU here, and a refusal is decided on the exact length.  Skipped during a forward (a mask
+        asked for mid-forward) and before the first; ``update`` checks the length too."""
+        if self.max_tokens is None or not self.states or self.guard.open:
+            return
+        if not all(state.surely_fits(tokens) for state in self.states.values()):
+            self.sync()  # the exact length (raises OverflowError if a step already went past: the device's flag)
+            self.check_length(self.layers[0].seq_len + tokens)
+        for state in self.states.values():
+            state.announce(tokens)
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         if torch.compiler.is_compiling():  # the device count: reading the host flag would guard on it
             return self.layers[layer_idx].device_length()
