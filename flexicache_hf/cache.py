@@ -27,6 +27,7 @@ from .handle import CacheStateError, ForwardGuard, PagedKV
 from .head_profile import HeadProfile, resolve_profile
 from .kernels import MAX_SELECT_PAGES
 from .layer import FlexiCacheLayer, LayerSpec
+from .lengths import check_room, refuse_length
 from .layer.schedule import DecodeState, state_for_device
 from .model_check import check_served
 from .pages import num_pages
@@ -213,10 +214,8 @@ class FlexiCache(CacheAccounting, Cache):
         return out
 
     def refused(self, handle: PagedKV, error: BaseException) -> None:
-        """An error raised at ``handle``'s attention before the attention changed anything (a 4D mask, right
-        padding, ``output_attentions``, another attention function, another model): at the forward's first layer
-        the forward is undone (that layer's update rolled back, the schedule set back), so the cache serves on as
-        before the call; elsewhere the error is noted for the next use."""
+        """A refusal at ``handle``'s attention, before it changed anything: undone at the forward's first layer (the
+        cache serves on as before the call, :func:`~flexicache_hf.crop.undo_refused`), else noted for the next use."""
         if not undo_refused(self, handle):
             self.guard.note(error)
 
@@ -231,14 +230,8 @@ class FlexiCache(CacheAccounting, Cache):
             self.reset()
 
     def check_length(self, end: int) -> None:
-        """Refuse ``end`` positions beyond the model's context (known from ``model_config`` or the first forward)
-        or beyond ``max_cache_len``."""
-        limit = self.max_positions
-        if limit is not None and end > limit:
-            raise ValueError(f"{end} tokens exceed the model's context of {limit} positions (max_position_embeddings)")
-        if self.max_tokens is not None and end > self.max_tokens:
-            raise ValueError(f"{end} tokens exceed this cache's max_cache_len={self.max_tokens}; make the cache with a "
-                             "larger max_cache_len (prompt length + max_new_tokens), or without one to let it grow")
+        """Refuse ``end`` positions beyond the model's context or ``max_cache_len`` (:mod:`~flexicache_hf.lengths`)."""
+        refuse_length(end, self.max_positions, self.max_tokens)
 
     def check_model(self, model_config) -> None:
         """Refuse a model this cache cannot serve: another shape than the profile's, or non-full attention."""
@@ -248,9 +241,8 @@ class FlexiCache(CacheAccounting, Cache):
 
     @property
     def is_compileable(self) -> bool:
-        """Whether ``generate`` may compile (and CUDA-graph) the decode step, as it does for StaticCache: with a
-        ``max_cache_len`` (everything then has a fixed address), the GPU kernels and no observer (which is told
-        of every re-rank on the host)."""
+        """Whether ``generate`` may compile (and CUDA-graph) the decode step, as for StaticCache: with a ``max_cache_len``
+        (fixed addresses), the GPU kernels and no observer (told of every re-rank on the host)."""
         return (self.max_tokens is not None and self.kernels is None and self.observer is None
                 and num_pages(self.max_tokens + self.config.page_size - 1, self.config.page_size) <= MAX_SELECT_PAGES)
 
@@ -269,30 +261,11 @@ class FlexiCache(CacheAccounting, Cache):
 
     # ---- HF cache API ---------------------------------------------------------------------------------------
     def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
-        """The mask's ``(kv_length, kv_offset)`` for a forward of ``query_length`` tokens (the layer's answer).
-        transformers asks this before every forward that builds a mask, and ``generate`` asks it eagerly before
-        each step even when the step itself runs compiled (``prepare_inputs_for_generation`` builds a compileable
-        cache's mask with ``create_masks_for_generate``): so here, before the forward, a sized cache refuses tokens
-        that would not fit (:meth:`check_room`).  Inside a compiled forward nothing is checked."""
+        """The layer's ``(kv_length, kv_offset)``; asked eagerly before every step ``generate`` runs, even a compiled
+        one, so a sized cache refuses here the tokens that would not fit (:func:`~flexicache_hf.lengths.check_room`)."""
         if not torch.compiler.is_compiling():
-            self.check_room(query_length.shape[0] if isinstance(query_length, torch.Tensor) else query_length)
+            check_room(self, query_length.shape[0] if isinstance(query_length, torch.Tensor) else query_length)
         return super().get_mask_sizes(query_length, layer_idx)
-
-    def check_room(self, tokens: int) -> None:
-        """Refuse (``ValueError``, before anything changes) a forward of ``tokens`` tokens that would go past
-        ``max_cache_len``, and announce it to the schedule.  A decode step replayed from a CUDA graph cannot refuse
-        itself, and the host does not follow replays; it counts the forwards announced since it last knew the
-        length as run (``DecodeState.surely_fits``, no synchronisation), and only when that count says these
-        tokens might not fit does it synchronise once to learn the exact length.  So a generate that fits never
-        waits for the GPU here, and a refusal is decided on the exact length.  Skipped during a forward (a mask
-        asked for mid-forward) and before the first; ``update`` checks the length too."""
-        if self.max_tokens is None or not self.states or self.guard.open:
-            return
-        if not all(state.surely_fits(tokens) for state in self.states.values()):
-            self.sync()  # the exact length (raises OverflowError if a step already went past: the device's flag)
-            self.check_length(self.layers[0].seq_len + tokens)
-        for state in self.states.values():
-            state.announce(tokens)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         if torch.compiler.is_compiling():  # the device count: reading the host flag would guard on it
