@@ -34,6 +34,7 @@ from .pages import num_pages
 from .stats import CacheAccounting, CacheStats
 from .tiers import check_host_limit
 from .recycling import KEEPER, storage_key
+from .settings import resolve_settings
 from .rerank import SelectionObserver
 
 
@@ -48,7 +49,10 @@ class FlexiCache(CacheAccounting, Cache):
 
     Args:
         profile: a :class:`HeadProfile`, a path to a profile JSON, or a model name shipped in ``profiles/``.
-        config: a :class:`FlexiCacheConfig`; or pass its fields as keyword arguments (``token_budget=1024``).
+        config: a :class:`FlexiCacheConfig`, used wholesale (``FlexiCacheConfig.paper()``: the paper's settings).
+            Without it, the profile's settings (those measured best for its model; a profile without any:
+            ``FlexiCacheConfig``'s defaults), the profile re-cut to their unstable fraction, with keyword fields on top
+            (``token_budget=1024``).  :attr:`config` and :attr:`settings_source` say what was used.
         model_config: the model's ``PretrainedConfig``; checks the profile and attention layout now instead
             of at the first forward.
         observer: a :class:`SelectionObserver` told of every re-rank (the stability profiler uses it).
@@ -68,10 +72,9 @@ class FlexiCache(CacheAccounting, Cache):
     def __init__(self, profile: HeadProfile | str | os.PathLike, config: FlexiCacheConfig | None = None, *,
                  model_config=None, observer: SelectionObserver | None = None, kernels: str | None = None,
                  count_pages: bool = False, max_cache_len: int | None = None, profiles_dir=None, **config_fields):
-        if config is not None and config_fields:
-            raise TypeError("pass either a FlexiCacheConfig or its fields as keywords, not both")
-        self.config = config if config is not None else FlexiCacheConfig(**config_fields)
-        self.profile = resolve_profile(profile, profiles_dir=profiles_dir)
+        # settings.py decides: config= wholesale, else the profile's settings (re-cut) + keyword fields
+        self.profile, self.config, self.settings_source = resolve_settings(
+            resolve_profile(profile, profiles_dir=profiles_dir), config, config_fields)
         if kernels not in (None, "reference"):
             raise ValueError(f"kernels must be None or 'reference', got {kernels!r}")
         self.kernels, self._observer, self.count_pages = kernels, observer, count_pages
@@ -336,4 +339,5 @@ class FlexiCache(CacheAccounting, Cache):
         c = self.config
         return (f"FlexiCache({self.profile.model.name or self.profile.model.model_type}, page_size={c.page_size}, "
                 f"token_budget={c.token_budget}, rerank_interval={c.rerank_interval}, offload={c.offload}, "
-                f"unstable={len(self.profile.unstable)}/{self.profile.model.num_layers * self.profile.model.num_kv_heads})")
+                f"unstable={len(self.profile.unstable)}/{self.profile.model.num_layers * self.profile.model.num_kv_heads}, "
+                f"settings: {self.settings_source})")

@@ -20,6 +20,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Iterable, Mapping
 
+from .config import ConfigError
+from .settings import ProfileSettings
+
 FORMAT = "flexicache-head-profile"
 FORMAT_VERSION = 1
 
@@ -168,6 +171,9 @@ class HeadProfile:
     ``provenance`` are stored as read-only ``MappingProxyType`` views over private
     copies, and are left out of ``hash()`` (they still take part in ``==``), so a
     profile can key a dict while its metadata cannot be changed behind its back.
+    ``settings`` (:class:`~flexicache_hf.settings.ProfileSettings`, optional): the FlexiCacheConfig fields and
+    unstable fraction measured best for the model, and the measurement that chose them; ``FlexiCache(profile)``
+    without a config uses them (:func:`~flexicache_hf.settings.resolve_settings`).
     """
 
     model: ModelIdentity
@@ -175,6 +181,7 @@ class HeadProfile:
     scores: Mapping[Head, float] | None = field(default=None, hash=False)
     provenance: Mapping[str, Any] = field(default_factory=dict, hash=False)
     format_version: int = FORMAT_VERSION
+    settings: ProfileSettings | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelIdentity):
@@ -202,11 +209,23 @@ class HeadProfile:
         except (TypeError, ValueError) as e:
             raise ProfileError(f"provenance must be JSON-serialisable: {e}") from e
         object.__setattr__(self, "provenance", MappingProxyType(prov))
+        if self.settings is not None:
+            try:
+                settings = self.settings
+                if not isinstance(settings, ProfileSettings):
+                    settings = ProfileSettings.from_dict(settings)
+            except ConfigError as e:
+                raise ProfileError(str(e)) from None
+            if settings.unstable_fraction is not None and not self.scores:
+                raise ProfileError(f"settings' unstable_fraction ({settings.unstable_fraction}) needs per-head "
+                                   "scores to re-cut the profile, and this profile has none")
+            object.__setattr__(self, "settings", settings)
 
     def __reduce__(self):
         # The read-only mapping views cannot be pickled or deep-copied; rebuild them from plain dicts.
         scores = None if self.scores is None else dict(self.scores)
-        return (type(self), (self.model, self.unstable, scores, dict(self.provenance), self.format_version))
+        return (type(self), (self.model, self.unstable, scores, dict(self.provenance), self.format_version,
+                             self.settings))
 
     def _checked(self, h: Head) -> Head:
         m = self.model
@@ -241,12 +260,17 @@ class HeadProfile:
     def least_stable(self, fraction: float) -> HeadProfile:
         """This profile re-cut from its measured scores: the ``fraction`` of heads with the lowest TS unstable
         (e.g. 0.375 instead of the profiler's 0.25; see the README's settings per model).  Raises ProfileError
-        when the profile carries no scores (a published list of heads cannot be re-cut)."""
+        when the profile carries no scores (a published list of heads cannot be re-cut).  The profile's
+        :attr:`settings` come along without their own ``unstable_fraction`` (this cut replaces it)."""
         if not self.scores:
             raise ProfileError("this profile has no per-head scores to re-cut (it lists its unstable heads only); "
                                "measure one with `python -m flexicache_hf.profile` to choose another fraction")
         prov = {**self.provenance, "fraction": fraction, "recut_from_fraction": self.unstable_fraction}
-        return HeadProfile.from_scores(self.model, self.scores, fraction, provenance=prov)
+        cut = HeadProfile.from_scores(self.model, self.scores, fraction, provenance=prov)
+        if self.settings is None:
+            return cut
+        return HeadProfile(cut.model, cut.unstable, cut.scores, cut.provenance, cut.format_version,
+                           self.settings.without_fraction())
 
     def check_model(self, config: Any) -> None:
         """Raise ProfileError unless ``config`` (or a model / ModelIdentity) has this shape."""
@@ -270,6 +294,7 @@ class HeadProfile:
             "unstable_heads": [list(h) for h in sorted(self.unstable)],
             "scores": scores,
             "provenance": json.loads(json.dumps(dict(self.provenance))),
+            **({} if self.settings is None else {"settings": self.settings.to_dict()}),
         }
 
     @classmethod
@@ -287,9 +312,10 @@ class HeadProfile:
             )
         keys = ("format", "format_version", "model", "unstable_heads", "scores", "provenance")
         missing = [k for k in keys if k not in d]
-        extra = sorted(set(d) - set(keys))
+        extra = sorted(set(d) - set(keys) - {"settings"})  # settings: optional (FlexiCacheConfig's defaults)
         if missing or extra:
-            raise ProfileError(f"expected exactly the keys {list(keys)}; missing {missing}, unexpected {extra}")
+            raise ProfileError(f"expected the keys {list(keys)} and optionally 'settings'; missing {missing}, "
+                               f"unexpected {extra}")
         heads_in = d["unstable_heads"]
         if not isinstance(heads_in, list):
             raise ProfileError(f"'unstable_heads' must be a list of [layer, kv_head], found {type(heads_in).__name__}")
@@ -310,7 +336,13 @@ class HeadProfile:
                 scores[k] = row[2]
         if not isinstance(d["provenance"], dict):
             raise ProfileError(f"'provenance' must be a JSON object, found {type(d['provenance']).__name__}")
-        return cls(ModelIdentity.from_dict(d["model"]), frozenset(heads), scores, d["provenance"], v)
+        settings = d.get("settings")
+        if settings is not None:
+            try:
+                settings = ProfileSettings.from_dict(settings)
+            except ConfigError as e:
+                raise ProfileError(f"'settings': {e}") from None
+        return cls(ModelIdentity.from_dict(d["model"]), frozenset(heads), scores, d["provenance"], v, settings)
 
     def to_json(self) -> str:
         text = json.dumps(self.to_dict(), indent=2, allow_nan=False)

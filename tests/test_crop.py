@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from conftest import tiny_config, twin_models
-from flexicache_hf import FlexiCache, HeadProfile
+from flexicache_hf import FlexiCache, FlexiCacheConfig, HeadProfile
 
 PS = 4
 # The paper's schedule (every layer re-ranks on steps 3, 6, ...): the tests' step arithmetic (which dropped step
@@ -209,8 +209,8 @@ def test_prompt_lookup_at_an_eighth_of_the_prompt_scores_as_the_eval_harness(smo
     for s in (samples[0], samples[2]):
         ids = render(tok, s.context, s.question, s.answer_prefix)
         budget = ids.shape[1] // 8 // 16 * 16
-        make = lambda: FlexiCache("SmolLM2-135M-Instruct", page_size=16, token_budget=budget,  # noqa: E731
-                                  model_config=model.config)
+        make = lambda: FlexiCache("SmolLM2-135M-Instruct", FlexiCacheConfig(page_size=16, token_budget=budget),  # noqa: E731
+                                  model_config=model.config)  # the harness's config, not the profile's settings
         (out,) = greedy(model, ids, make(), s.max_new_tokens, stop_ids(model, tok))
         harness.append(s.score(tok.decode(out, skip_special_tokens=True)))
         for n, scores in lookup.items():
