@@ -49,10 +49,8 @@ class FlexiCache(CacheAccounting, Cache):
 
     Args:
         profile: a :class:`HeadProfile`, a path to a profile JSON, or a model name shipped in ``profiles/``.
-        config: a :class:`FlexiCacheConfig`, used wholesale (``FlexiCacheConfig.paper()``: the paper's settings).
-            Without it, the profile's settings (those measured best for its model; a profile without any:
-            ``FlexiCacheConfig``'s defaults), the profile re-cut to their unstable fraction, with keyword fields on top
-            (``token_budget=1024``).  :attr:`config` and :attr:`settings_source` say what was used.
+        config: a :class:`FlexiCacheConfig`, used wholesale (``FlexiCacheConfig.paper()``: the paper's); without it the
+            profile's settings (:mod:`~flexicache_hf.settings`), keyword fields on top (``token_budget=1024``).
         model_config: the model's ``PretrainedConfig``; checks the profile and attention layout now instead
             of at the first forward.
         observer: a :class:`SelectionObserver` told of every re-rank (the stability profiler uses it).
@@ -72,7 +70,6 @@ class FlexiCache(CacheAccounting, Cache):
     def __init__(self, profile: HeadProfile | str | os.PathLike, config: FlexiCacheConfig | None = None, *,
                  model_config=None, observer: SelectionObserver | None = None, kernels: str | None = None,
                  count_pages: bool = False, max_cache_len: int | None = None, profiles_dir=None, **config_fields):
-        # settings.py decides: config= wholesale, else the profile's settings (re-cut) + keyword fields
         self.profile, self.config, self.settings_source = resolve_settings(
             resolve_profile(profile, profiles_dir=profiles_dir), config, config_fields)
         if kernels not in (None, "reference"):
