@@ -30,7 +30,7 @@ from .layer import FlexiCacheLayer, LayerSpec
 from .lengths import check_room, refuse_length
 from .layer.schedule import DecodeState, state_for_device
 from .model_check import check_served
-from .pages import num_pages
+from .pages import room_pages
 from .stats import CacheAccounting, CacheStats
 from .tiers import check_host_limit
 from .recycling import KEEPER, storage_key
@@ -148,8 +148,7 @@ class FlexiCache(CacheAccounting, Cache):
         if layer_idx == 0:  # every layer's host tier, before any layer grows
             check_host_limit(sum(each.host_bytes_for(start + T) for each in self.layers), self.config.host_memory_limit)
         # (room only: the tokens stay as they are; the other layers' host bytes are summed only when it grows)
-        grows = num_pages(start + T, self.config.page_size) > layer.page_capacity
-        layer.grow(start + T, self.host_bytes() - layer.host_bytes() if grows else 0)
+        layer.grow(start + T, self.host_bytes() - layer.host_bytes() if layer.grows(start + T) else 0)
         self.guard.begin(layer_idx, "update", empty=start == 0)  # validated: from here on storage changes
         if layer_idx == 0:  # plan the step once, for every layer
             self.before = {key: state.mirror() for key, state in self.states.items()}  # (undo_refused)
@@ -244,7 +243,7 @@ class FlexiCache(CacheAccounting, Cache):
         """Whether ``generate`` may compile (and CUDA-graph) the decode step, as for StaticCache: with a ``max_cache_len``
         (fixed addresses), the GPU kernels and no observer (told of every re-rank on the host)."""
         return (self.max_tokens is not None and self.kernels is None and self.observer is None
-                and num_pages(self.max_tokens + self.config.page_size - 1, self.config.page_size) <= MAX_SELECT_PAGES)
+                and room_pages(self.max_tokens, self.config.page_size) <= MAX_SELECT_PAGES)
 
     def decode_state(self, device: torch.device) -> DecodeState:
         """The step schedule all layers on ``device`` share (made for the first layer to allocate there)."""

@@ -28,6 +28,12 @@ def num_pages(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
+def room_pages(num_tokens: int, page_size: int) -> int:
+    """Pages that hold ``num_tokens`` tokens stored from any position of a page: a layer's storage positions lead
+    the model's by up to ``page_size - 1`` (the schedule's ``origin``), so room is made for that many more."""
+    return num_pages(num_tokens + page_size - 1, page_size)
+
+
 def grown_capacity(needed_pages: int, current: int) -> int:
     """Capacity (in pages) once ``needed_pages`` do not fit in ``current``.
 

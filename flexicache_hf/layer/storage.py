@@ -12,7 +12,7 @@ import torch
 
 from ..config import FlexiCacheConfig
 from ..kernels import KernelOps
-from ..pages import PagePool, PoolLayout, grown_capacity, num_pages
+from ..pages import PagePool, PoolLayout, grown_capacity, room_pages
 from ..tiers import CopyStream, HostTier, SlotTable, copy_context, offload_page
 
 
@@ -88,10 +88,10 @@ class LayerStorage:
         (``max_cache_len``) when given, else grown with headroom (amortised O(1) per token).  Storage positions lead
         model positions by less than a page (the schedule's ``origin``): room is made for ``page_size - 1`` more."""
         ps = self.config.page_size
-        need = num_pages(end + ps - 1, ps)
+        need = room_pages(end, ps)
         if need <= self.page_capacity:
             return None
-        return num_pages(max_tokens + ps - 1, ps) if max_tokens is not None else grown_capacity(need, self.page_capacity)
+        return room_pages(max_tokens, ps) if max_tokens is not None else grown_capacity(need, self.page_capacity)
 
     def ensure_capacity(self, end: int, stored: int, max_tokens: int | None, host_elsewhere: int) -> None:
         """Room for ``end`` tokens (:meth:`pages_for`).  ``host_elsewhere``: host bytes the cache's other layers
