@@ -127,7 +127,7 @@ def main(argv=None) -> dict:
           + (f", {cfg.sink_pages} sink + {cfg.recent_pages} recent pages kept" if cfg.sink_pages or cfg.recent_pages
              else ""))
     print(f"unstable heads      {report['unstable_heads']} of {report['heads']} (profile {used.model.name or args.profile})"
-          + (f", ranked by exact attention mass" if cfg.unstable_group_score == "exact" else ""))
+          + (", ranked by exact attention mass" if cfg.unstable_group_score == "exact" else ""))
     print(f"settings            {cache.settings_source}")
     print(f"pages attended      {report['pages_per_head_step']:.1f} per KV head per decode step")
     print(f"heads re-ranked     {100 * report['head_rerank_fraction']:.0f}% of (layer, head) steps; "
