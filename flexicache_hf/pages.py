@@ -8,10 +8,13 @@ The pool is one tensor per K and V, ``[num_physical_pages, page_size, head_dim]`
   (stable) head only ever holds its top-K pages plus the pages created since its last re-rank, so its
   device footprint is constant however long the context grows.
 * the **full region**: every logical page of every device-resident head (unstable heads, and stable heads
-  when offloading is off), ``page_capacity`` pages per (sequence, head) in logical order.
+  when offloading is off), **page-major**: logical page ``p`` of (row ``b``, resident head ``h``) is
+  ``full_base + (p * B + b) * num_full_heads + h``, so the region grows at its end (a larger capacity appends
+  pages; the pages held keep their place relative to ``full_base``).
 
 All placement is index arithmetic on integers (:class:`PoolLayout`); the tensors only hold data and the
-page table.  Growing the context re-lays the full region, like ``DynamicCache``'s concatenation does.
+page table.  Every buffer of a layer that grows with the context grows in its outermost dimension (the full
+region here, the MinMax cache and the host tier in theirs), so that its used part is always a prefix.
 """
 
 from __future__ import annotations
@@ -37,8 +40,8 @@ def room_pages(num_tokens: int, page_size: int) -> int:
 def grown_capacity(needed_pages: int, current: int) -> int:
     """Capacity (in pages) once ``needed_pages`` do not fit in ``current``.
 
-    1/16 headroom: every growth re-lays the device-resident pages (an O(n) copy), and with this slack the
-    next one comes ~n/16 pages later, so decode pays O(1) amortised while the slack wastes little memory.
+    1/16 headroom: every growth copies the held pages into larger buffers (an O(n) copy), and with this slack
+    the next one comes ~n/16 pages later, so decode pays O(1) amortised while the slack wastes little memory.
     """
     if needed_pages <= current:
         return current
@@ -69,17 +72,59 @@ class PoolLayout:
         return (1 + torch.arange(n, device=device)).view(self.batch, self.num_slot_heads, self.slots)
 
     def full_ids(self, device: torch.device) -> torch.Tensor:
-        """[B, full_heads, page_capacity] physical page of each logical page of the resident heads."""
+        """[B, full_heads, page_capacity] physical page of each logical page of the resident heads (page-major:
+        ``full_base + (p * B + b) * num_full_heads + h``)."""
         n = self.batch * self.num_full_heads * self.page_capacity
         ids = self.full_base + torch.arange(n, device=device)
-        return ids.view(self.batch, self.num_full_heads, self.page_capacity)
+        return ids.view(self.page_capacity, self.batch, self.num_full_heads).permute(1, 2, 0)
+
+
+@dataclass(frozen=True)
+class Span:
+    """Part of a range of storage positions that covers the same offsets ``[lo, hi)`` of pages ``[p0, p1)``; its
+    first position is row ``t0`` of the range.  A range is at most three spans (:func:`token_spans`)."""
+
+    p0: int
+    p1: int
+    lo: int
+    hi: int
+    t0: int
+
+    def pages(self, t: torch.Tensor) -> torch.Tensor:
+        """The span in a page-major tensor ``[pages, B, H, page_size, D]``, as ``[B, H, p1 - p0, hi - lo, D]``
+        (a view)."""
+        return t[self.p0 : self.p1, :, :, self.lo : self.hi].permute(1, 2, 0, 3, 4)
+
+    def rows(self, t: torch.Tensor) -> torch.Tensor:
+        """The span in the range's token rows ``[B, H, T, D]``, as ``[B, H, p1 - p0, hi - lo, D]`` (a view)."""
+        n, w = self.p1 - self.p0, self.hi - self.lo
+        return t[:, :, self.t0 : self.t0 + n * w].unflatten(2, (n, w))
+
+
+def token_spans(first: int, end: int, page_size: int) -> list[Span]:
+    """Storage positions ``[first, end)`` as spans of page-major storage: a partial first page, the whole pages,
+    a partial last page (each only where there is one), in order."""
+    if end <= first:
+        return []
+    ps = page_size
+    if first // ps == (end - 1) // ps:  # within one page
+        return [Span(first // ps, first // ps + 1, first % ps, (end - 1) % ps + 1, 0)]
+    out, p0, p1 = [], -(-first // ps), end // ps  # whole pages [p0, p1)
+    if first % ps:
+        out.append(Span(first // ps, p0, first % ps, ps, 0))
+    if p1 > p0:
+        out.append(Span(p0, p1, 0, ps, p0 * ps - first))
+    if end % ps:
+        out.append(Span(p1, p1 + 1, 0, end % ps, p1 * ps - first))
+    return out
 
 
 class PagePool:
     """The K and V page pools of one layer and their per-head page table.
 
     ``page_table[b, h, p]`` is the physical page of logical page ``p`` of KV head ``h`` of row ``b``;
-    :data:`NULL_PAGE` where that page is not on the device.
+    :data:`NULL_PAGE` where that page is not on the device.  The table is ``[B, H, page_capacity]``, sized for
+    the capacity (not page-major: 4 bytes per page per (row, head), growth lays it out anew).
     """
 
     def __init__(
@@ -122,33 +167,52 @@ class PagePool:
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes + self.table_buffer.nbytes
 
-    def full_tokens(self, which: str) -> torch.Tensor:
-        """[B, full_heads, page_capacity * page_size, D] token view of the resident heads (K or V)."""
+    def full_pages(self, which: str) -> torch.Tensor:
+        """``[page_capacity, B, full_heads, page_size, D]`` page-major view of the resident heads' pages (K or V)."""
         lay = self.layout
         pool = self.k if which == "k" else self.v
-        region = pool[lay.full_base :]
-        return region.view(lay.batch, lay.num_full_heads, lay.page_capacity * self.page_size, self.head_dim)
+        region = pool[lay.full_base : lay.num_physical]
+        return region.view(lay.page_capacity, lay.batch, lay.num_full_heads, self.page_size, self.head_dim)
+
+    def store_full(self, keys: torch.Tensor, values: torch.Tensor, first: int) -> None:
+        """Store the resident heads' tokens ``[B, full_heads, T, D]`` at storage positions ``first..``."""
+        end = first + keys.shape[2]
+        for src, which in ((keys, "k"), (values, "v")):
+            dst = self.full_pages(which)
+            for span in token_spans(first, end, self.page_size):
+                span.pages(dst).copy_(span.rows(src))
+
+    def read_full(self, which: str, first: int, end: int) -> torch.Tensor:
+        """The resident heads' tokens at storage positions ``[first, end)``, ``[B, full_heads, end - first, D]``
+        (a copy)."""
+        lay = self.layout
+        out = self.k.new_empty((lay.batch, lay.num_full_heads, end - first, self.head_dim))
+        src = self.full_pages(which)
+        for span in token_spans(first, end, self.page_size):
+            span.rows(out).copy_(span.pages(src))
+        return out
 
     def grow(self, page_capacity: int, slots: int) -> None:
-        """Re-lay the pool for a larger logical capacity (and up to ``slots`` slots per offloaded head),
-        keeping every stored page; slot ``j`` of a head stays slot ``j``."""
+        """Larger buffers for a larger logical capacity (and up to ``slots`` slots per offloaded head), keeping every
+        stored page: slot ``j`` of a head stays slot ``j``, and the full region (page-major) is copied whole to the
+        same place relative to its base, the new pages appended after it.  Without new slots the old pool is the
+        new one's prefix (the null page aside: zeros, never read)."""
         old = self.layout
         if page_capacity <= old.page_capacity and slots <= old.slots:
             return
         new = PoolLayout(old.batch, old.num_slot_heads, max(slots, old.slots), old.num_full_heads,
                          max(page_capacity, old.page_capacity))
         dev, page = self.device, (self.page_size, self.head_dim)
+        n_slots = old.batch * old.num_slot_heads
         for name in ("k", "v"):
             pool = getattr(self, name)
             grown = torch.zeros((new.num_physical, *page), dtype=pool.dtype, device=dev)
-            for base_o, base_n, inner_o, inner_n, heads in (
-                (1, 1, old.slots, new.slots, old.num_slot_heads),
-                (old.full_base, new.full_base, old.page_capacity, new.page_capacity, old.num_full_heads),
-            ):
-                n_o = old.batch * heads * inner_o
-                src = pool[base_o : base_o + n_o].view(old.batch, heads, inner_o, *page)
-                dst = grown[base_n : base_n + new.batch * heads * inner_n].view(new.batch, heads, inner_n, *page)
-                dst[:, :, :inner_o] = src
+            if old.slots == new.slots:
+                grown[1 : old.full_base] = pool[1 : old.full_base]
+            elif old.slots:
+                src = pool[1 : old.full_base].view(n_slots, old.slots, *page)
+                grown[1 : new.full_base].view(n_slots, new.slots, *page)[:, : old.slots] = src
+            grown[new.full_base : new.full_base + old.num_physical - old.full_base] = pool[old.full_base :]
             setattr(self, name, grown)
         table = torch.zeros((new.batch, self.page_table.shape[1], new.page_capacity), dtype=torch.int32, device=dev)
         table[:, :, : old.page_capacity] = self.page_table

@@ -1,7 +1,7 @@
 """GPU <-> host residency of the offloaded (stable) heads of one layer.
 
-The host tier holds every written token of every offloaded head (pinned memory when the cache lives on
-CUDA, so copies are asynchronous and kernels can read it through UVA).  The device holds, per
+The host tier holds every written token of every offloaded head, page-major (pinned memory when the cache lives
+on CUDA, so copies are asynchronous and kernels can read it through UVA).  The device holds, per
 (sequence, offloaded head), a fixed set of slots in the page pool (:mod:`flexicache_hf.pages`):
 
 * ``offload_*`` — device -> host: a prompt chunk once (all of it), then each decode page once, when it fills
@@ -22,7 +22,7 @@ import torch
 
 from .kernels import KernelOps
 from .kernels.reference import set_table_entries
-from .pages import NULL_PAGE, PagePool
+from .pages import NULL_PAGE, PagePool, token_spans
 
 
 def format_bytes(n: int) -> str:
@@ -108,7 +108,8 @@ class CopyStream:
 
 
 class HostTier:
-    """Every token of the offloaded heads of one layer, ``[B, heads, page_capacity, page_size, D]``.
+    """Every token of the offloaded heads of one layer, page-major: ``[page_capacity, B, heads, page_size, D]``
+    (growth appends pages after the ones held; flat page ``(p * B + b) * heads + h``, see :meth:`page_index`).
 
     On CUDA the tier is pinned memory from torch's caching host allocator: a later cache of the same shape
     in the process reuses the blocks (no new page-locking, the dominant cost of a first long prefill).  The
@@ -170,7 +171,7 @@ class HostTier:
 
     def _alloc(self, page_capacity: int, batch: int | None = None) -> torch.Tensor:
         batch = self.batch if batch is None else batch
-        shape = (batch, self.heads, page_capacity, self.page_size, self.head_dim)
+        shape = (page_capacity, batch, self.heads, self.page_size, self.head_dim)
         try:
             return torch.empty(shape, dtype=self.dtype, pin_memory=self.pinned)
         except (RuntimeError, MemoryError) as e:  # pinned memory is a finite OS resource
@@ -206,8 +207,8 @@ class HostTier:
         v = self._alloc(cap)
         if self.k is not None:
             self.copies.synchronize()  # queued offloads still write the old tier
-            k[:, :, : self.page_capacity].copy_(self.k)
-            v[:, :, : self.page_capacity].copy_(self.v)
+            k[: self.page_capacity].copy_(self.k)  # page-major: the old tier is the new one's prefix
+            v[: self.page_capacity].copy_(self.v)
         self._set(k, v)
         self.page_capacity = cap
 
@@ -217,7 +218,7 @@ class HostTier:
             self.k_dev, self.v_dev = cuda_alias(k, self.compute_device), cuda_alias(v, self.compute_device)
 
     def pages(self, which: str) -> torch.Tensor:
-        """Flat page view ``[B * heads * page_capacity, page_size, D]``."""
+        """Flat page view ``[page_capacity * B * heads, page_size, D]`` (indexed by :meth:`page_index`)."""
         t = self.k if which == "k" else self.v
         return t.view(-1, self.page_size, self.head_dim)
 
@@ -230,19 +231,15 @@ class HostTier:
         t = self.k_dev if which == "k" else self.v_dev
         return t.view(-1, self.page_size, self.head_dim)
 
-    def tokens(self, which: str) -> torch.Tensor:
-        """Token view ``[B, heads, page_capacity * page_size, D]``."""
-        t = self.k if which == "k" else self.v
-        return t.view(self.batch, self.heads, -1, self.head_dim)
-
     def page_index(self, pages: torch.Tensor) -> torch.Tensor:
-        """Flat host page index of logical ``pages`` ``[B, heads, n]`` (int64)."""
+        """Flat host page index of logical ``pages`` ``[B, heads, n]`` (int64): ``(p * B + b) * heads + h``."""
         b = torch.arange(self.batch, device=pages.device)[:, None, None]
         h = torch.arange(self.heads, device=pages.device)[None, :, None]
-        return (b * self.heads + h) * self.page_capacity + pages
+        return (pages * self.batch + b) * self.heads + h
 
     def write_tokens(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
-        """Queue the copy of a prompt chunk ``[B, heads, T, D]`` (positions ``start..``) to the host tier.
+        """Queue the copy of a prompt chunk ``[B, heads, T, D]`` (positions ``start..``) to the host tier: one
+        ``copy_rows`` per span of pages (:func:`~flexicache_hf.pages.token_spans`: at most three).
 
         Runs on the copy stream (call inside ``copy_context``); the compute stream never waits for it.
         """
@@ -250,7 +247,9 @@ class HostTier:
         for src, which in ((keys, "k"), (values, "v")):
             src = src.contiguous()
             self.copies.keep_alive(src)
-            self.ops.copy_rows(self.tokens(which)[:, :, start : start + T], src)
+            tier = self.k if which == "k" else self.v
+            for span in token_spans(start, start + T, self.page_size):  # a partial page, whole pages, a partial page
+                self.ops.copy_rows(span.pages(tier), span.rows(src))
 
     def read_tokens(self, keys: torch.Tensor, values: torch.Tensor, first: int = 0) -> None:
         """Queue the copy of the ``T`` stored tokens from position ``first`` into ``keys`` / ``values``
@@ -261,15 +260,17 @@ class HostTier:
         end = first + keys.shape[2]
         for dst, which in ((keys, "k"), (values, "v")):
             self.copies.keep_alive(dst)
-            self.ops.copy_rows(dst, self.tokens(which)[:, :, first:end])
+            tier = self.k if which == "k" else self.v
+            for span in token_spans(first, end, self.page_size):
+                self.ops.copy_rows(span.rows(dst), span.pages(tier))
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep rows ``index`` (beam reorder / batch expansion), in fresh host blocks."""
         self.copies.synchronize()
         index = index.cpu()
         k, v = self._alloc(self.page_capacity, index.numel()), self._alloc(self.page_capacity, index.numel())
-        torch.index_select(self.k, 0, index, out=k)
-        torch.index_select(self.v, 0, index, out=v)
+        torch.index_select(self.k, 1, index, out=k)
+        torch.index_select(self.v, 1, index, out=v)
         self._set(k, v)
         self.batch = index.numel()
 

@@ -93,7 +93,7 @@ def test_host_tier_limit_refused_without_change_and_rounding_only_when_pinned():
     t.grow(5)
     with pytest.raises(Exception, match="host_memory_limit"):
         t.grow(6)
-    assert t.page_capacity == 5 and t.k.shape[2] == 5
+    assert t.page_capacity == 5 and t.k.shape[0] == 5
     with pytest.raises(Exception, match="host_memory_limit"):  # the other layers' bytes count against the cap
         tier(limit=2 * 2 * 3 * 5 * 4 * 8 * 4).grow(4, 2 * 2 * 3 * 2 * 4 * 8 * 4)  # 4 pages here, 2 elsewhere
     assert tier().capacity_for(5) == 5  # unpinned: no allocator rounding, exact capacity

@@ -103,7 +103,7 @@ class ExactCheck(SelectionObserver):
         layer = self.cache.layers[event.layer_idx]
         unstable = self.profile.unstable_heads(event.layer_idx)
         L, ps = layer.seq_len, layer.config.page_size
-        resident = layer.storage.pool.full_tokens("k")[:, :, :L]  # [B, full_heads, L, D]: the unstable heads, in order
+        resident = layer.storage.pool.read_full("k", 0, L)  # [B, full_heads, L, D]: the unstable heads, in order
         keys = torch.zeros(resident.shape[0], layer.storage.num_kv_heads, L, resident.shape[-1])
         keys[:, layer.storage.full_heads] = resident.float()
         mass = page_mass(event.query, keys, ps, layer.storage.head_dim ** -0.5)

@@ -134,8 +134,10 @@ else:
         return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 
     def make_minmax(B, H, cap, D, dtype):
-        return (torch.full((B, H, cap, D), float("inf"), dtype=dtype),
-                torch.full((B, H, cap, D), float("-inf"), dtype=dtype))
+        """An empty MinMax cache as the layer holds it: ``[B, H, cap, D]`` views of page-major ``[cap, B, H, D]``
+        storage (the kernels address it through its strides)."""
+        return (torch.full((cap, B, H, D), float("inf"), dtype=dtype).permute(1, 2, 0, 3),
+                torch.full((cap, B, H, D), float("-inf"), dtype=dtype).permute(1, 2, 0, 3))
 
     def test_triton_ops_table():
         assert TRITON_OPS.name == "triton" and TRITON_OPS.sparse_decode.eager is sparse_decode
@@ -172,6 +174,7 @@ else:
             page_t = torch.tensor([page])
             ours = [t.clone() for t in (*pools, k_min, k_max)]
             ref = [t.clone() for t in (*pools, k_min, k_max)]
+            assert ours[2].stride()[2] == B * H * D  # the layer's page-major MinMax cache, through its strides
             append_token(*ours, key, value, rows, page_t)
             R.append_token(*ref, key, value, rows, page_t)
             for a, b in zip(ours, ref):

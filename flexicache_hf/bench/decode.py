@@ -136,7 +136,7 @@ class InputSet:
     k_pool: torch.Tensor  # [N, page_size, D] (our paged kernels)
     v_pool: torch.Tensor
     table: torch.Tensor  # [B, H, P_cap] int32, shuffled physical placement
-    kmin: torch.Tensor  # [B, H, P_cap, D]
+    kmin: torch.Tensor  # [B, H, P_cap, D] view of page-major [P_cap, B, H, D] storage, as the cache holds it
     kmax: torch.Tensor
     extra: dict = field(default_factory=dict)
 
@@ -160,7 +160,7 @@ def make_set(B: int, L: int, m: ModelShape, gen: torch.Generator, minmax_fn) -> 
     v_pool[flat] = values.view(B * H * P, ps, D)
     k_pool[0] = 0
     v_pool[0] = 0
-    kmin = torch.full((B, H, P, D), float("inf"), device="cuda", dtype=m.dtype)
+    kmin = torch.full((P, B, H, D), float("inf"), device="cuda", dtype=m.dtype).permute(1, 2, 0, 3)  # the cache's
     kmax = torch.full_like(kmin, float("-inf"))
     minmax_fn(kmin, kmax, keys, 0, torch.zeros(B, dtype=torch.long, device="cuda"), ps)
     return InputSet(q, keys, values, k_pool, v_pool, table, kmin, kmax)

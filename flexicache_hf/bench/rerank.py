@@ -49,7 +49,7 @@ def run(batches, context: int, budget: int, R: int, unstable_frac: float, out_di
         sets = []
         for _ in range(n_sets):
             keys = torch.randn(B, H, context, D, device="cuda", dtype=dtype, generator=gen)
-            kmin = torch.full((B, H, P, D), float("inf"), device="cuda", dtype=dtype)
+            kmin = torch.full((P, B, H, D), float("inf"), device="cuda", dtype=dtype).permute(1, 2, 0, 3)  # page-major
             kmax = torch.full_like(kmin, float("-inf"))
             ops.minmax_update(kmin, kmax, keys, 0, torch.zeros(B, dtype=torch.long, device="cuda"), ps)
             del keys

@@ -21,12 +21,13 @@ from ._util import pow2
 @triton.jit
 def _append_token_kernel(
     k_pool_ptr, v_pool_ptr,  # [num_physical * page_size, D] (the pools' rows, contiguous)
-    kmin_ptr, kmax_ptr,  # [B, H, P_cap, D] contiguous
+    kmin_ptr, kmax_ptr,  # [B, H, P_cap, D] with strides (kmax shares kmin's: checked on the host)
     key_ptr, value_ptr,  # [B, H, D] with strides
     rows_ptr,  # [B * H] int64 physical row of each (row, head)
     page_ptr,  # [1] int64 logical page of the token
-    H, P_cap,
+    H,
     s_kb, s_kh, s_vb, s_vh,
+    s_mb, s_mh, s_mp, s_md,  # strides of kmin / kmax (the cache's: a [B, H, P_cap, D] view of page-major storage)
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -41,7 +42,7 @@ def _append_token_kernel(
     tl.store(k_pool_ptr + row * D + d, k.to(k_pool_ptr.dtype.element_ty), mask=ok)
     tl.store(v_pool_ptr + row * D + d, v.to(v_pool_ptr.dtype.element_ty), mask=ok)
     page = tl.load(page_ptr)
-    m_off = (i * P_cap + page) * D + d
+    m_off = b * s_mb + h * s_mh + page * s_mp + d * s_md
     lo = tl.load(kmin_ptr + m_off, mask=ok, other=0.0)
     hi = tl.load(kmax_ptr + m_off, mask=ok, other=0.0)
     # min / max in fp32 (exact for every storage dtype; the interpreter's bf16 arithmetic is not)
@@ -53,7 +54,7 @@ def _append_token_kernel(
 def append_token(
     k_pool: torch.Tensor,  # [num_physical, page_size, D]
     v_pool: torch.Tensor,
-    kmin: torch.Tensor,  # [B, H, P_cap, D]
+    kmin: torch.Tensor,  # [B, H, P_cap, D] (any strides; kmax's the same)
     kmax: torch.Tensor,
     key: torch.Tensor,  # [B, H, D]
     value: torch.Tensor,
@@ -62,13 +63,15 @@ def append_token(
 ) -> None:
     """Same contract as :func:`reference.append_token` (in place)."""
     B, H, D = key.shape
-    for t in (k_pool, v_pool, kmin, kmax, rows):
+    for t in (k_pool, v_pool, rows):
         if not t.is_contiguous():
-            raise ValueError("append_token needs contiguous pools, MinMax cache and rows")
+            raise ValueError("append_token needs contiguous pools and rows")
+    if kmin.stride() != kmax.stride():
+        raise ValueError("append_token needs kmin and kmax laid out alike")
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         key, value = key.contiguous(), value.contiguous()
     _append_token_kernel[(B * H,)](
-        k_pool, v_pool, kmin, kmax, key, value, rows, page, H, kmin.shape[2],
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_pool, v_pool, kmin, kmax, key, value, rows, page, H,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1), *kmin.stride(),
         D=D, BLOCK_D=pow2(D), num_warps=1,
     )

@@ -10,6 +10,8 @@ They define the contract (shapes, dtypes, padding conventions) every backend imp
 * Page lists use ``-1`` for "no page" so every tensor keeps a fixed width (no host syncs).
 * The device page pool is ``[num_physical_pages, page_size, head_dim]``; ``page_table[b, h, p]`` is the
   physical page of logical page ``p``; physical page 0 is the *null page* (never dereferenced).
+* The MinMax cache ``kmin`` / ``kmax`` is ``[B, H, P_cap, D]`` with any strides (the cache passes views of its
+  page-major ``[P_cap, B, H, D]`` storage); every backend addresses it through its strides.
 """
 
 from __future__ import annotations
@@ -404,10 +406,11 @@ def copy_kv_pages(dst_k: torch.Tensor, dst_v: torch.Tensor, dst_index: torch.Ten
 
 
 def copy_rows(
-    dst: torch.Tensor,  # [B, H, T, D] (e.g. a position range of the host tier)
-    src: torch.Tensor,  # [B, H, T, D] (may live on another device)
+    dst: torch.Tensor,  # [B, H, P, n, D] (e.g. a span of the page-major host tier, pages.Span) or [B, H, T, D]
+    src: torch.Tensor,  # the same shape (may live on another device)
 ) -> None:
-    """Token rows between tiers: ``dst[...] = src`` (each (row, head) run of ``T * D`` elements contiguous)."""
+    """Token rows between tiers: ``dst[...] = src`` (each (row, head, page) run of ``n * D`` elements contiguous on
+    both sides; a ``[B, H, T, D]`` pair is one run per (row, head))."""
     dst.copy_(src)
 
 

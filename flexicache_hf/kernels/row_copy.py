@@ -1,12 +1,16 @@
 """Twin of :func:`flexicache_hf.kernels.reference.copy_rows`: token rows between the device and pinned host memory.
 
-A prompt chunk's offload writes ``[B, heads, T, D]`` new states into the host tier ``[B, heads, capacity, D]``
-at positions ``start .. start + T - 1`` (and a multi-turn follow-up reads a prefix back).  Every (row, head)
-is one contiguous run of ``T * D`` elements on both sides, but the runs are ``capacity * D`` apart on the
-host, so the copy is not contiguous as a whole.  torch's ``copy_`` then stages it through a *pageable*
-temporary and a synchronous CPU copy (measured: the dominant cost of a long prefill).  One
-``cuMemcpy2DAsync`` (cuda-python driver API) instead moves all runs in a single call on the copy engines:
-asynchronous on the current stream, no SMs taken from the concurrent prefill, no host staging.
+A prompt chunk's offload writes ``[B, heads, T, D]`` new states into the page-major host tier ``[pages, B, heads,
+page_size, D]`` at positions ``start .. start + T - 1`` (and a multi-turn follow-up reads a prefix back).  The host
+tier cuts the range into at most three spans (a partial first page, the whole pages, a partial last page:
+:func:`flexicache_hf.pages.token_spans`), each a ``[B, heads, P, n, D]`` pair of views in which every (row, head,
+page) is one contiguous run of ``n * D`` elements on both sides.  The runs are not evenly spaced as a whole (the
+page stride differs from the (row, head) one on each side), so torch's ``copy_`` would stage them through a
+*pageable* temporary and a synchronous CPU copy (measured: the dominant cost of a long prefill).  Instead a span
+is a few ``cuMemcpy2DAsync`` calls (cuda-python driver API), each moving evenly spaced runs on the copy engines:
+asynchronous on the current stream, no SMs taken from the concurrent prefill, no host staging.  A span of one
+page is one call (its runs: every (row, head)); a span of ``P`` whole pages is ``min(P, B * heads)`` calls, one per
+page (runs: every (row, head)) or one per (row, head) (runs: every page), whichever is fewer.
 
 Fallback: without cuda-python, or for layouts a 2D copy cannot express, one ``copy_(non_blocking=True)`` per
 contiguous run (still asynchronous into pinned memory).
@@ -21,13 +25,39 @@ import torch
 
 
 def _row_pitch(t: torch.Tensor) -> int | None:
-    """Bytes between consecutive (row, head) runs when ``t [B, H, T, D]`` is such a uniform 2D layout."""
-    B, H, T, D = t.shape
-    if t.stride(3) != 1 or (T > 1 and t.stride(2) != D):
+    """Bytes between consecutive runs when ``t [R, S, n, D]`` holds ``R * S`` runs of ``n * D`` contiguous elements
+    evenly spaced (one 2D copy), else None."""
+    R, S, n, D = t.shape
+    if t.stride(3) != 1 or (n > 1 and t.stride(2) != D):
         return None
-    if B > 1 and t.stride(0) != H * t.stride(1):
+    if R > 1 and S > 1 and t.stride(0) != S * t.stride(1):
         return None
-    return t.stride(1) * t.element_size()
+    pitch = t.stride(0) if S == 1 else t.stride(1)  # (a dimension of size 1 may have any stride)
+    return max(pitch, n * D) * t.element_size()  # one run: any pitch as wide as it does
+
+
+def blocks(dst: torch.Tensor, src: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``[B, H, P, n, D]`` views (or ``[B, H, T, D]``: ``P = 1``) cut into ``[R, S, n, D]`` pairs, each one 2D copy
+    of evenly spaced runs when both sides allow it: the (row, head) runs of each page, or the page runs of each
+    (row, head), whichever takes fewer copies."""
+    if dst.dim() == 4:
+        return [(dst, src)]
+    B, H, P = dst.shape[:3]
+    if P == 1:
+        return [(dst[:, :, 0], src[:, :, 0])]
+    if B * H < P:
+        return [(dst[b, h][None], src[b, h][None]) for b in range(B) for h in range(H)]
+    return [(dst[:, :, p], src[:, :, p]) for p in range(P)]
+
+
+def copy_2d_args(dst: torch.Tensor, src: torch.Tensor) -> tuple[int, int, int, int, int, int] | None:
+    """``(dst address, dst pitch, src address, src pitch, width, height)`` (bytes, rows) of the one 2D copy that
+    moves a ``[R, S, n, D]`` block (:func:`blocks`), or None where one side's runs are not evenly spaced."""
+    pitches = (_row_pitch(dst), _row_pitch(src))
+    if None in pitches:
+        return None
+    R, S, n, D = dst.shape
+    return dst.data_ptr(), pitches[0], src.data_ptr(), pitches[1], n * D * dst.element_size(), R * S
 
 
 class RowCopier:
@@ -58,7 +88,8 @@ class RowCopier:
         return driver
 
     def copy_rows(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """``dst.copy_(src)`` for ``[B, H, T, D]`` tensors, one of them pinned host memory; asynchronous."""
+        """``dst.copy_(src)`` for ``[B, H, P, n, D]`` (or ``[B, H, T, D]``) views, one of them pinned host memory;
+        asynchronous."""
         if dst.shape != src.shape or dst.dtype != src.dtype:
             raise ValueError(f"copy_rows needs equal shapes and dtypes, got {tuple(dst.shape)} {dst.dtype} "
                              f"and {tuple(src.shape)} {src.dtype}")
@@ -69,23 +100,26 @@ class RowCopier:
         if len(cuda) != 1 or len(host) != 1 or not host[0].is_pinned():
             dst.copy_(src, non_blocking=True)  # device <-> device, or pageable memory: torch handles it
             return
-        pitches = (_row_pitch(dst), _row_pitch(src))
-        driver = self._driver(cuda[0]) if None not in pitches else None
-        if driver is None:
-            self._per_run(dst, src)
-            return
-        B, H, T, D = dst.shape
+        driver = self._driver(cuda[0])
+        for d, s in blocks(dst, src):
+            args = copy_2d_args(d, s)
+            if driver is None or args is None or not self._copy_2d(driver, cuda[0], args):
+                self._per_run(d, s)
+
+    def _copy_2d(self, driver, device: torch.device, args: tuple[int, int, int, int, int, int]) -> bool:
+        """One ``cuMemcpy2DAsync`` (:func:`copy_2d_args`); False (and the driver path off) where it failed."""
         p = driver.CUDA_MEMCPY2D()
         unified = driver.CUmemorytype.CU_MEMORYTYPE_UNIFIED  # pinned host pointers are device addresses (UVA)
-        p.srcMemoryType, p.srcDevice, p.srcPitch = unified, src.data_ptr(), pitches[1]
-        p.dstMemoryType, p.dstDevice, p.dstPitch = unified, dst.data_ptr(), pitches[0]
-        p.WidthInBytes, p.Height = T * D * dst.element_size(), B * H
-        stream = driver.CUstream(torch.cuda.current_stream(cuda[0]).cuda_stream)
+        p.dstMemoryType, p.dstDevice, p.dstPitch = unified, args[0], args[1]
+        p.srcMemoryType, p.srcDevice, p.srcPitch = unified, args[2], args[3]
+        p.WidthInBytes, p.Height = args[4], args[5]
+        stream = driver.CUstream(torch.cuda.current_stream(device).cuda_stream)
         (err,) = driver.cuMemcpy2DAsync(p, stream)
-        if err != driver.CUresult.CUDA_SUCCESS:
-            self.unavailable = f"cuMemcpy2DAsync failed: {err}"
-            warnings.warn(f"FlexiCache: {self.unavailable}; host-tier row copies fall back to one copy per row")
-            self._per_run(dst, src)
+        if err == driver.CUresult.CUDA_SUCCESS:
+            return True
+        self.unavailable = f"cuMemcpy2DAsync failed: {err}"
+        warnings.warn(f"FlexiCache: {self.unavailable}; host-tier row copies fall back to one copy per row")
+        return False
 
     @staticmethod
     def _per_run(dst: torch.Tensor, src: torch.Tensor) -> None:

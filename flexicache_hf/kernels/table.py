@@ -101,7 +101,7 @@ KERNELS = (
     Kernel("copy_kv_pages", reference.copy_kv_pages, "uva_copy",  # both pools of a layer in one launch
            "(Tensor(a0!) dst_k, Tensor(a1!) dst_v, Tensor dst_index, Tensor src_k, Tensor src_v, "
            "Tensor src_index) -> ()"),
-    Kernel("copy_rows", reference.copy_rows, "row_copy"),  # a prompt's offload: one cuMemcpy2DAsync
+    Kernel("copy_rows", reference.copy_rows, "row_copy"),  # a prompt's offload: a few cuMemcpy2DAsync per span
     Kernel("reseat_slots", reference.reseat_slots, "slots",
            "(Tensor(a0!) slot_page, Tensor wanted, Tensor slot_phys, Tensor(a3!) table_buffer, Tensor slot_heads, "
            "SymInt num_heads, SymInt null_page, Tensor? when) -> (Tensor, Tensor)", _promoted_like),

@@ -25,8 +25,7 @@ def store_chunk(layer, keys: torch.Tensor, values: torch.Tensor, start: int):
     first = layer.origin + start
     end = first + keys.shape[2]
     if s.full_heads.numel():
-        s.pool.full_tokens("k")[:, :, first:end] = keys[:, s.full_heads]
-        s.pool.full_tokens("v")[:, :, first:end] = values[:, s.full_heads]
+        s.pool.store_full(keys[:, s.full_heads], values[:, s.full_heads], first)
     if not s.offloads:
         return None
     k, v = keys[:, s.slot_heads].contiguous(), values[:, s.slot_heads].contiguous()
@@ -124,8 +123,8 @@ def gather_tokens(layer, end: int, then: tuple[torch.Tensor, torch.Tensor] | Non
         keys[:, :, end:], values[:, :, end:] = then
     o = layer.origin
     if s.full_heads.numel():
-        keys[:, s.full_heads, :end] = s.pool.full_tokens("k")[:, :, o : o + end]
-        values[:, s.full_heads, :end] = s.pool.full_tokens("v")[:, :, o : o + end]
+        keys[:, s.full_heads, :end] = s.pool.read_full("k", o, o + end)
+        values[:, s.full_heads, :end] = s.pool.read_full("v", o, o + end)
     if s.offloads:
         prefetched, s.prefetched = s.prefetched, None
         hk, hv = prefetched[1:] if prefetched is not None and prefetched[0] == end else _read_prefix(layer, end)

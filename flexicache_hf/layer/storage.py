@@ -18,7 +18,8 @@ from ..tiers import CopyStream, HostTier, SlotTable, copy_context, offload_page
 
 class LayerStorage:
     """Paged KV of one layer: every page of the device-resident heads, every token of the offloaded (stable) heads
-    on the host and their top-K in device slots, and the per-page key min/max of every head."""
+    on the host and their top-K in device slots, and the per-page key min/max of every head.  Every buffer that
+    grows with the context is page-major (pages outermost): growth appends pages after the ones held."""
 
     def __init__(self, key_states: torch.Tensor, unstable: tuple[int, ...], config: FlexiCacheConfig,
                  ops: KernelOps):
@@ -36,8 +37,10 @@ class LayerStorage:
         self.host = HostTier(B, len(slot_heads), config.page_size, D, self.dtype, self.device,
                              config.host_memory_limit, self.copies, ops)
         self.slots = SlotTable(self.pool, self.device)
-        self.kmin = torch.empty((B, H, 0, D), dtype=self.dtype, device=self.device)
-        self.kmax = torch.empty_like(self.kmin)
+        # The MinMax cache, page-major ``[pages, B, H, D]`` (it grows in its outermost dimension); the kernels see
+        # it as ``kmin`` / ``kmax``, ``[B, H, pages, D]`` views.
+        self.min_pages = torch.empty((0, B, H, D), dtype=self.dtype, device=self.device)
+        self.max_pages = torch.empty_like(self.min_pages)
         self.valid_lo = torch.zeros(B, dtype=torch.long, device=self.device)
         self.padded = False  # whether any row has left padding (valid_lo > 0), known on the host
         # [B, slot_heads] physical page of the newest page of the offloaded heads (valid once a token is in)
@@ -56,6 +59,16 @@ class LayerStorage:
     @property
     def page_capacity(self) -> int:
         return self.pool.layout.page_capacity
+
+    @property
+    def kmin(self) -> torch.Tensor:
+        """``[B, H, pages, D]`` per-page per-channel key minimum (+inf: no valid token), a view of ``min_pages``."""
+        return self.min_pages.permute(1, 2, 0, 3)
+
+    @property
+    def kmax(self) -> torch.Tensor:
+        """``[B, H, pages, D]`` per-page per-channel key maximum (-inf: no valid token), a view of ``max_pages``."""
+        return self.max_pages.permute(1, 2, 0, 3)
 
     def mismatch(self, key_states: torch.Tensor) -> str | None:
         """What of these states differs from the ones stored (batch, KV heads, head dim, dtype, device), or None."""
@@ -105,10 +118,10 @@ class LayerStorage:
         self.pool.grow(cap, slots)
         self.slots.relayout(self.pool)
         self.find_tail(stored)
-        B, H, old, D = self.kmin.shape
-        pad = (B, H, cap - old, D)
-        self.kmin = torch.cat([self.kmin, self.kmin.new_full(pad, float("inf"))], dim=2)
-        self.kmax = torch.cat([self.kmax, self.kmax.new_full(pad, float("-inf"))], dim=2)
+        old, B, H, D = self.min_pages.shape
+        pad = (cap - old, B, H, D)  # new pages after the old ones (page-major: the old tensor is the prefix)
+        self.min_pages = torch.cat([self.min_pages, self.min_pages.new_full(pad, float("inf"))])
+        self.max_pages = torch.cat([self.max_pages, self.max_pages.new_full(pad, float("-inf"))])
 
     def host_bytes_for(self, end: int, max_tokens: int | None) -> int:
         """Host bytes the host tier holds once :meth:`ensure_capacity` made room for ``end`` tokens."""
@@ -123,7 +136,7 @@ class LayerStorage:
 
     def buffers(self) -> list[torch.Tensor]:
         """Every device tensor a decode step reads or writes here (fixed addresses once sized for max_cache_len)."""
-        bufs = [self.pool.k, self.pool.v, self.pool.table_buffer, self.kmin, self.kmax, self.valid_lo,
+        bufs = [self.pool.k, self.pool.v, self.pool.table_buffer, self.min_pages, self.max_pages, self.valid_lo,
                 self.tail_phys, self.slot_heads, self.full_heads, self.slots.slot_page, self.slots.slot_phys]
         if self.host.k_dev is not None:
             bufs += [self.host.k_dev, self.host.v_dev]
@@ -149,8 +162,8 @@ class LayerStorage:
     # ---- rows and emptying ------------------------------------------------------------------------------
     def clear(self) -> None:
         """As new, in place: the MinMax cache empty, no slot holds a page, no padding, nothing queued."""
-        self.kmin.fill_(float("inf"))
-        self.kmax.fill_(float("-inf"))
+        self.min_pages.fill_(float("inf"))
+        self.max_pages.fill_(float("-inf"))
         if self.offloads:
             self.slots.clear()
         self.tail_phys.zero_()
@@ -168,9 +181,10 @@ class LayerStorage:
                         self.head_dim, self.dtype, self.device)
         for name in ("k", "v"):
             src, dst = getattr(self.pool, name), getattr(pool, name)
-            if old.full_base > 1:  # the slot region
+            if old.full_base > 1:  # the slot region, row-major
                 dst[1 : new.full_base] = src[1 : old.full_base].view(old.batch, -1, *src.shape[1:])[index].flatten(0, 1)
-            dst[new.full_base :] = src[old.full_base :].view(old.batch, -1, *src.shape[1:])[index].flatten(0, 1)
+            full = src[old.full_base :].view(old.page_capacity, old.batch, old.num_full_heads, *src.shape[1:])
+            dst[new.full_base :] = full[:, index].flatten(0, 2)  # the full region, page-major
         self.pool, self.batch = pool, B
         slot_page = self.slots.slot_page[index]
         self.slots = SlotTable(pool, self.device)
@@ -178,10 +192,11 @@ class LayerStorage:
         if self.host.k is not None:
             self.host.select_rows(index)
         self.host.batch = B
-        self.kmin, self.kmax, self.valid_lo = self.kmin[index], self.kmax[index], self.valid_lo[index]
+        self.min_pages, self.max_pages = self.min_pages[:, index], self.max_pages[:, index]
+        self.valid_lo = self.valid_lo[index]
         self.tail_phys = torch.zeros((B, self.slot_heads.numel()), dtype=torch.long, device=self.device)
         self.find_tail(stored)
 
     def nbytes(self) -> int:
         """Device bytes held: pages (null page and slack included), page table, MinMax cache."""
-        return self.pool.nbytes() + self.kmin.nbytes + self.kmax.nbytes
+        return self.pool.nbytes() + self.min_pages.nbytes + self.max_pages.nbytes

@@ -117,7 +117,8 @@ def test_minmax_scores_select_match_reference(dtype, H, group, D, combine):
     cap = T // ps + 8
     keys = torch.randn(B, T + 3, H, D, device=DEV, dtype=dtype).transpose(1, 2)  # non-contiguous like HF
     valid_lo = torch.tensor([0, 5, 16, 333], device=DEV)
-    mm = [torch.full((B, H, cap, D), float("inf"), device=DEV, dtype=dtype) for _ in range(2)]
+    # the layer's MinMax cache: [B, H, cap, D] views of page-major [cap, B, H, D] storage
+    mm = [torch.full((cap, B, H, D), float("inf"), device=DEV, dtype=dtype).permute(1, 2, 0, 3) for _ in range(2)]
     mm[1].fill_(float("-inf"))
     ref = [m.clone() for m in mm]
     for a, b in ((0, T), (T, T + 1), (T + 1, T + 2), (T + 2, T + 3)):  # a long prompt, then decode steps
@@ -185,8 +186,9 @@ def test_append_token_matches_reference_large(dtype):
     B, H, D, ps, cap = 64, 8, 128, 16, 40
     P = 1 + B * H * cap
     pools = [torch.randn(P, ps, D, generator=g, device=DEV).to(dtype) for _ in range(2)]
-    k_min = torch.randn(B, H, cap, D, generator=g, device=DEV).to(dtype)
+    k_min = torch.randn(cap, B, H, D, generator=g, device=DEV).to(dtype).permute(1, 2, 0, 3)  # page-major, as held
     k_max = k_min + 1
+    assert k_max.stride() == k_min.stride()
     key = torch.randn(B, 1, H, D, generator=g, device=DEV).to(dtype).transpose(1, 2)[:, :, 0]
     value = torch.randn(B, 1, H, D, generator=g, device=DEV).to(dtype).transpose(1, 2)[:, :, 0]
     rows = (1 + torch.randperm(P - 1, device=DEV)[: B * H].view(B, H)) * ps + 5

@@ -1,0 +1,153 @@
+"""Every buffer of a layer that grows with the context grows in its outermost dimension (page-major): the pool's
+full region, the MinMax cache and the host tier.  Their placement, the spans a token range is copied in, the 2D
+copies the CUDA row copy issues (checked here by replaying their arguments on CPU memory), and growth that only
+appends."""
+
+import pytest
+import torch
+
+from flexicache_hf.kernels import REFERENCE_OPS
+from flexicache_hf.kernels.row_copy import blocks, copy_2d_args
+from flexicache_hf.pages import PagePool, PoolLayout, token_spans
+from flexicache_hf.tiers import CopyStream, HostTier, SlotTable
+
+CPU = torch.device("cpu")
+
+
+def test_the_full_region_is_page_major_and_fills_its_range_once():
+    lay = PoolLayout(batch=2, num_slot_heads=2, slots=3, num_full_heads=3, page_capacity=5)
+    ids = lay.full_ids(CPU)
+    assert ids.shape == (2, 3, 5)
+    for b in range(2):
+        for h in range(3):
+            for p in range(5):
+                assert int(ids[b, h, p]) == lay.full_base + (p * 2 + b) * 3 + h
+    assert sorted(ids.reshape(-1).tolist()) == list(range(lay.full_base, lay.num_physical))
+
+
+@pytest.mark.parametrize("ps", [1, 4, 8])
+def test_token_spans_cover_a_range_in_order_in_at_most_three_parts(ps):
+    for first in range(0, 3 * ps + 2):
+        for end in range(first, first + 4 * ps + 3):
+            spans = token_spans(first, end, ps)
+            assert len(spans) <= 3
+            positions = [p * ps + o for s in spans for p in range(s.p0, s.p1) for o in range(s.lo, s.hi)]
+            assert positions == list(range(first, end))
+            for s in spans:  # a span's rows start where its positions do
+                assert s.t0 == s.p0 * ps + s.lo - first and 0 <= s.lo < s.hi <= ps
+
+
+def test_spans_move_token_rows_into_page_major_storage_and_back():
+    ps, B, H, D, first, T = 4, 2, 3, 5, 6, 13
+    rows = torch.randn(B, H, T, D)
+    store = torch.zeros(8, B, H, ps, D)
+    for span in token_spans(first, first + T, ps):
+        span.pages(store).copy_(span.rows(rows))
+    for t in range(T):
+        pos = first + t
+        assert torch.equal(store[pos // ps, :, :, pos % ps], rows[:, :, t])
+    back = torch.empty_like(rows)
+    for span in token_spans(first, first + T, ps):
+        span.rows(back).copy_(span.pages(store))
+    assert torch.equal(back, rows)
+
+
+def make_pool(slots=3, cap=5, B=2):
+    layout = PoolLayout(B, 2, slots, 1, cap)
+    return PagePool(layout, torch.tensor([2]), torch.tensor([0, 1]), 3, 4, 8, torch.float32, CPU)
+
+
+def resident_tokens(pool, end):
+    """The resident head's tokens read through the page table, as the kernels read them: ``[B, 1, end, D]``."""
+    pos = torch.arange(end)
+    phys = pool.page_table[:, pool.full_heads][:, :, pos // pool.page_size].long()  # [B, 1, end]
+    return pool.k[phys, pos % pool.page_size]
+
+
+def test_a_chunk_stored_in_the_full_region_is_where_the_page_table_says():
+    pool = make_pool()
+    keys, values = torch.randn(2, 1, 17, 8), torch.randn(2, 1, 17, 8)
+    pool.store_full(keys[:, :, :3], values[:, :, :3], 2)  # a chunk inside a page, then one across pages
+    pool.store_full(keys[:, :, 3:], values[:, :, 3:], 5)
+    assert torch.equal(resident_tokens(pool, 19)[:, :, 2:], keys)
+    assert torch.equal(pool.read_full("k", 2, 19), keys) and torch.equal(pool.read_full("v", 4, 11), values[:, :, 2:9])
+
+
+@pytest.mark.parametrize("slots", [3, 5])
+def test_growth_appends_pages_and_keeps_every_page_where_it_was(slots):
+    """Without new slots the old pool is the new one's prefix; with new slots, slot j stays slot j and the full
+    region moves whole (its pages keep their place relative to its base)."""
+    pool = make_pool()
+    table = SlotTable(pool, CPU)
+    table.set_pages(torch.tensor([[[0, 4, -1], [1, -1, 3]], [[2, -1, -1], [0, 1, 2]]]))
+    pool.k.copy_(torch.randn_like(pool.k))
+    old, old_k, old_table = pool.layout, pool.k.clone(), pool.page_table.clone()
+    before = resident_tokens(pool, 20)
+    pool.grow(9, slots)
+    new = pool.layout
+    assert new.page_capacity == 9 and new.slots == slots
+    if slots == old.slots:
+        assert torch.equal(pool.k[1 : old.num_physical], old_k[1:])
+    n_full = old.num_physical - old.full_base
+    assert torch.equal(pool.k[new.full_base : new.full_base + n_full], old_k[old.full_base :])
+    assert torch.equal(resident_tokens(pool, 20), before)
+    table.relayout(pool)
+    for b in range(2):
+        for h in range(2):
+            for j in range(old.slots):
+                assert torch.equal(pool.k[int(table.slot_phys[b, h, j])], old_k[1 + (b * 2 + h) * old.slots + j])
+    assert torch.equal(pool.page_table[:, :2, :5] != 0, old_table[:, :2] != 0)  # the same pages resident
+
+
+def test_the_host_tier_is_page_major_and_grows_by_appending():
+    ps, B, H, D = 4, 2, 3, 8
+    t = HostTier(B, H, ps, D, torch.float32, CPU, None, CopyStream(CPU), REFERENCE_OPS)
+    t.grow(4)
+    k, v = torch.randn(B, H, 11, D), torch.randn(B, H, 11, D)
+    t.write_tokens(k, v, 3)  # starts and ends inside a page
+    assert t.k.shape == (4, B, H, ps, D)
+    for i in range(11):
+        pos = 3 + i
+        assert torch.equal(t.k[pos // ps, :, :, pos % ps], k[:, :, i])
+    pages = torch.tensor([[[2, 0]] * H] * B)  # [B, heads, n] logical pages
+    flat = t.pages("v")[t.page_index(pages).reshape(-1)].view(B, H, 2, ps, D)
+    assert torch.equal(flat[:, :, 0], t.v[2]) and torch.equal(flat[:, :, 1], t.v[0])
+    held = t.k.clone()
+    t.grow(9)
+    assert t.k.shape[0] == 9 and torch.equal(t.k[:4], held)
+    out = torch.empty(B, H, 11, D), torch.empty(B, H, 11, D)
+    t.read_tokens(*out, first=3)
+    assert torch.equal(out[0], k) and torch.equal(out[1], v)
+
+
+def replay_2d(args, dst_base: torch.Tensor, src_base: torch.Tensor) -> None:
+    """What ``cuMemcpy2DAsync`` does with :func:`copy_2d_args`' arguments, on CPU memory (addresses are bytes into
+    the two contiguous base tensors)."""
+    d_ptr, d_pitch, s_ptr, s_pitch, width, height = args
+    db, sb = dst_base.reshape(-1).view(torch.uint8), src_base.reshape(-1).view(torch.uint8)
+    d0, s0 = d_ptr - dst_base.data_ptr(), s_ptr - src_base.data_ptr()
+    for r in range(height):
+        db[d0 + r * d_pitch : d0 + r * d_pitch + width] = sb[s0 + r * s_pitch : s0 + r * s_pitch + width]
+
+
+@pytest.mark.parametrize("B,H,first,T", [(1, 2, 5, 40), (2, 3, 0, 16), (4, 4, 6, 20), (3, 1, 3, 2), (1, 1, 8, 3)])
+def test_row_copy_2d_arguments_move_a_chunk_into_the_page_major_tier_and_back(B, H, first, T):
+    """The CUDA row copy's plan (blocks of evenly spaced runs, one cuMemcpy2DAsync each) replayed on the CPU:
+    it writes what the reference writes, nothing else, in min(pages, rows x heads) copies per whole-page span."""
+    ps, D, cap = 4, 8, 16
+    chunk = torch.randn(B, H, T, D, dtype=torch.float16)
+    tier, want = torch.zeros(cap, B, H, ps, D, dtype=torch.float16), torch.zeros(cap, B, H, ps, D, dtype=torch.float16)
+    for span in token_spans(first, first + T, ps):
+        REFERENCE_OPS.copy_rows(span.pages(want), span.rows(chunk))
+        parts = blocks(span.pages(tier), span.rows(chunk))
+        assert len(parts) == min(span.p1 - span.p0, B * H)
+        for d, s in parts:
+            args = copy_2d_args(d, s)
+            assert args is not None
+            replay_2d(args, tier, chunk)
+    assert torch.equal(tier, want)
+    back = torch.zeros_like(chunk)
+    for span in token_spans(first, first + T, ps):
+        for d, s in blocks(span.rows(back), span.pages(tier)):
+            replay_2d(copy_2d_args(d, s), back, tier)
+    assert torch.equal(back, chunk)
