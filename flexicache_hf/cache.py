@@ -20,6 +20,7 @@ import weakref
 import torch
 from transformers.cache_utils import Cache
 
+from .block_keeper import BLOCKS
 from .config import FlexiCacheConfig
 from .crop import crop, undo_refused
 from .handle import CacheStateError, ForwardGuard, PagedKV
@@ -33,6 +34,18 @@ from .stats import CacheAccounting, CacheStats
 from .tiers import check_host_limit
 from .recycling import KEEPER, storage_key
 from .rerank import SelectionObserver
+
+
+def plan_host(layers: list, end: int, key_states: torch.Tensor, tp_size: int | None, limit: int | None) -> None:
+    """At the first layer's update: refuse (HostMemoryError) a forward whose host tiers, every layer's once grown for
+    ``end`` tokens (a layer before its first forward: predicted from these states), would pass ``limit``
+    (``host_memory_limit``); on CUDA, start page-locking the blocks the layers will take, in layer order, while the
+    layers before them compute (:meth:`~flexicache_hf.block_keeper.BlockKeeper.prefetch`)."""
+    plans = [layer.host_plan(end, key_states, tp_size) for layer in layers]
+    check_host_limit(sum(sum(n for n, _ in plan) if plan else layer.host_bytes() for layer, plan in zip(layers, plans)),
+                     limit)
+    if key_states.device.type == "cuda" and any(plans):
+        BLOCKS.prefetch([block for plan in plans for block in plan], key_states.device)
 
 
 class FlexiCache(CacheAccounting, Cache):
@@ -140,7 +153,7 @@ class FlexiCache(CacheAccounting, Cache):
         start, T = layer.seq_len, key_states.shape[2]
         self.check_length(start + T)
         if layer_idx == 0:  # every layer's host tier, before any layer grows
-            check_host_limit(sum(each.host_bytes_for(start + T) for each in self.layers), self.config.host_memory_limit)
+            plan_host(self.layers, start + T, key_states, self.tp_size, self.config.host_memory_limit)
         # (room only: the tokens stay as they are; the other layers' host bytes are summed only when it grows)
         grows = num_pages(start + T, self.config.page_size) > layer.page_capacity
         layer.grow(start + T, self.host_bytes() - layer.host_bytes() if grows else 0)

@@ -395,7 +395,8 @@ def test_copy_rows_device_host_both_ways_through_the_driver(dtype):
 
 
 def test_fresh_cache_of_the_same_shape_reuses_pinned_blocks():
-    """Pinned host tiers come from torch's caching host allocator: a second cache allocates nothing new."""
+    """A second cache of the same shape page-locks nothing new: its host tier is the first one's blocks (the dropped
+    storage, recycling.py, or the kept blocks, block_keeper.py), and torch's pinned allocator holds none of it."""
     from conftest import tiny_config
     from transformers import AutoModelForCausalLM, DynamicCache
 
@@ -419,8 +420,11 @@ def test_fresh_cache_of_the_same_shape_reuses_pinned_blocks():
         st = torch.cuda.host_memory_stats()
         return st["num_host_alloc"], st["allocated_bytes.allocated"]  # bytes ever page-locked
 
+    from flexicache_hf.block_keeper import BLOCKS
+
     first, host_bytes = run(FlexiCache(prof, token_budget=128, max_cache_len=740))
     allocs0, reserved0 = pinned()
+    pins0 = BLOCKS.stats()["pins"]
     run(DynamicCache())  # what generate itself allocates in pinned memory per call (a flag or two)
     allocs1, reserved1 = pinned()
     again, _ = run(FlexiCache(prof, token_budget=128, max_cache_len=740))
@@ -431,3 +435,4 @@ def test_fresh_cache_of_the_same_shape_reuses_pinned_blocks():
     # measured on the H200 with torch 2.11 -- 1 allocation, 1 byte -- and never again.)
     assert reserved2 - reserved1 < host_bytes / 64, (reserved0, reserved1, reserved2, host_bytes)
     assert allocs2 - allocs1 <= 1, (allocs0, allocs1, allocs2)
+    assert BLOCKS.stats()["pins"] == pins0

@@ -96,6 +96,7 @@ def generate_once(model, ids, row: str, args, new: int, *, profile=None, stop_af
     res.update(peak_gpu_bytes=torch.cuda.max_memory_allocated(), pinned_bytes=after["pinned_bytes"],
                pinned_allocs_during=after["pinned_allocs"] - before["pinned_allocs"],
                pinned_bytes_added=after["pinned_locked"] - before["pinned_locked"],
+               pin_wait_s=after["pin_wait_s"] - before["pin_wait_s"],
                dynamo_graphs_added=graphs1 - graphs0, batch=ids.shape[0], prompt_tokens=ids.shape[1],
                compiled=is_compiled(row) and not eager and not lookup, prefill_chunk_size=chunk or None,
                prompt_lookup=lookup or None)
