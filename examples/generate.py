@@ -13,7 +13,7 @@ import argparse
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from flexicache_hf import FlexiCache, FlexiCacheConfig  # the import registers attn_implementation="flexicache"
+from flexicache_hf import FlexiCache  # the import registers attn_implementation="flexicache"
 from flexicache_hf.data import build_prompt, load_documents
 from flexicache_hf.models import load_default_model
 
@@ -38,7 +38,7 @@ else:
 # The built-in corpus (assembled from this installation on first use); load_documents(path) reads your own.
 doc = max(load_documents(), key=lambda d: (len(d.text), d.id))  # long enough for the 2500-token prompt
 ids = build_prompt(tok, doc, "What are the key points of this document?", 2500).to(args.device)
-cache = FlexiCache(args.profile, FlexiCacheConfig(token_budget=args.budget), model_config=model.config,
+cache = FlexiCache(args.profile, token_budget=args.budget, model_config=model.config,  # the profile's settings
                    max_cache_len=ids.shape[1] + args.new_tokens)
 out = model.generate(ids, max_new_tokens=args.new_tokens, do_sample=False, past_key_values=cache,
                      disable_compile=args.eager)

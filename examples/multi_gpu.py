@@ -119,4 +119,5 @@ for by_device in rows:
             f"(DynamicCache: {dense / mib:.3f} MiB)")
 say("memory_report (this process):", report)
 if dist.is_initialized():
+    dist.barrier()  # every rank done with the collectives before any tears its group down
     dist.destroy_process_group()

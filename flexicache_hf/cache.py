@@ -7,9 +7,10 @@ exact attention for prompt chunks, top-K selection + sparse paged decode for sin
 the only channel between the two: no globals, no thread-locals, no patched model code.
 
 The cache owns what spans layers: the step schedule (one :class:`~flexicache_hf.layer.schedule.DecodeState` per
-device, advanced at layer 0), the order of a forward (:class:`~flexicache_hf.handle.ForwardGuard`), lengths, the
-host-memory cap over every layer, a follow-up chunk's prefix read started one layer ahead, the copies joined after
-the last layer, recycling, statistics.  A layer never refers to its cache.
+device, advanced at layer 0), the order of a forward (:class:`~flexicache_hf.handle.ForwardGuard`), lengths (a
+sized cache refuses a forward that would not fit before it runs, compiled or not:
+:meth:`FlexiCache.get_mask_sizes`), the host-memory cap over every layer, a follow-up chunk's prefix read started
+one layer ahead, the copies joined after the last layer, recycling, statistics.  A layer never refers to its cache.
 """
 
 from __future__ import annotations
@@ -27,12 +28,14 @@ from .handle import CacheStateError, ForwardGuard, PagedKV
 from .head_profile import HeadProfile, resolve_profile
 from .kernels import MAX_SELECT_PAGES
 from .layer import FlexiCacheLayer, LayerSpec
+from .lengths import check_room, refuse_length
 from .layer.schedule import DecodeState, state_for_device
 from .model_check import check_served
-from .pages import num_pages
+from .pages import room_pages
 from .stats import CacheAccounting, CacheStats
 from .tiers import check_host_limit
 from .recycling import KEEPER, storage_key
+from .settings import resolve_settings
 from .rerank import SelectionObserver
 
 
@@ -59,26 +62,29 @@ class FlexiCache(CacheAccounting, Cache):
 
     Args:
         profile: a :class:`HeadProfile`, a path to a profile JSON, or a model name shipped in ``profiles/``.
-        config: a :class:`FlexiCacheConfig`; or pass its fields as keyword arguments (``token_budget=1024``).
+        config: a :class:`FlexiCacheConfig`, used wholesale (``FlexiCacheConfig.paper()``: the paper's); without it the
+            profile's settings (:mod:`~flexicache_hf.settings`), keyword fields on top (``token_budget=1024``).
         model_config: the model's ``PretrainedConfig``; checks the profile and attention layout now instead
             of at the first forward.
         observer: a :class:`SelectionObserver` told of every re-rank (the stability profiler uses it).
         kernels: ``"reference"`` forces the PyTorch reference kernels on any device.
         count_pages: count attended pages per step in ``stats`` (a device counter: two small kernels per layer and step).
         max_cache_len: the most tokens this cache will hold (prompt + ``max_new_tokens``, as for ``StaticCache``):
-            everything is allocated once, at the first forward, a longer sequence is refused, and on CUDA ``generate``
-            compiles and CUDA-graphs the decode step as for StaticCache (``disable_compile=True`` keeps it eager).
-            Without it storage grows with headroom.  A dropped sized cache's storage serves the next cache of its
-            shape (``storage_reused``; :func:`flexicache_hf.release_storage` frees it).
+            everything is allocated once, at the first forward, and on CUDA ``generate`` compiles and CUDA-graphs the
+            decode step as for StaticCache (``disable_compile=True`` keeps it eager).  A forward that would go past it
+            is refused before it runs, compiled or not, with a ``ValueError`` (the cache keeps its tokens and serves
+            on): a ``generate`` asked for more new tokens stops there, at the step that would not fit.  A compiled
+            forward called directly, not by ``generate``, is not checked first: a step past the end stays inside the
+            buffers, and the cache's next use raises ``OverflowError`` until :meth:`reset`.  Without it storage
+            grows with headroom.  A dropped sized cache's storage serves the next cache of its shape
+            (``storage_reused``; :func:`flexicache_hf.release_storage` frees it).
     """
 
     def __init__(self, profile: HeadProfile | str | os.PathLike, config: FlexiCacheConfig | None = None, *,
                  model_config=None, observer: SelectionObserver | None = None, kernels: str | None = None,
                  count_pages: bool = False, max_cache_len: int | None = None, profiles_dir=None, **config_fields):
-        if config is not None and config_fields:
-            raise TypeError("pass either a FlexiCacheConfig or its fields as keywords, not both")
-        self.config = config if config is not None else FlexiCacheConfig(**config_fields)
-        self.profile = resolve_profile(profile, profiles_dir=profiles_dir)
+        self.profile, self.config, self.settings_source = resolve_settings(
+            resolve_profile(profile, profiles_dir=profiles_dir), config, config_fields)
         if kernels not in (None, "reference"):
             raise ValueError(f"kernels must be None or 'reference', got {kernels!r}")
         self.kernels, self._observer, self.count_pages = kernels, observer, count_pages
@@ -155,8 +161,7 @@ class FlexiCache(CacheAccounting, Cache):
         if layer_idx == 0:  # every layer's host tier, before any layer grows
             plan_host(self.layers, start + T, key_states, self.tp_size, self.config.host_memory_limit)
         # (room only: the tokens stay as they are; the other layers' host bytes are summed only when it grows)
-        grows = num_pages(start + T, self.config.page_size) > layer.page_capacity
-        layer.grow(start + T, self.host_bytes() - layer.host_bytes() if grows else 0)
+        layer.grow(start + T, self.host_bytes() - layer.host_bytes() if layer.grows(start + T) else 0)
         self.guard.begin(layer_idx, "update", empty=start == 0)  # validated: from here on storage changes
         if layer_idx == 0:  # plan the step once, for every layer
             self.before = {key: state.mirror() for key, state in self.states.items()}  # (undo_refused)
@@ -221,10 +226,8 @@ class FlexiCache(CacheAccounting, Cache):
         return out
 
     def refused(self, handle: PagedKV, error: BaseException) -> None:
-        """An error raised at ``handle``'s attention before the attention changed anything (a 4D mask, right
-        padding, ``output_attentions``, another attention function, another model): at the forward's first layer
-        the forward is undone (that layer's update rolled back, the schedule set back), so the cache serves on as
-        before the call; elsewhere the error is noted for the next use."""
+        """A refusal at ``handle``'s attention, before it changed anything: undone at the forward's first layer (the
+        cache serves on as before the call, :func:`~flexicache_hf.crop.undo_refused`), else noted for the next use."""
         if not undo_refused(self, handle):
             self.guard.note(error)
 
@@ -239,14 +242,8 @@ class FlexiCache(CacheAccounting, Cache):
             self.reset()
 
     def check_length(self, end: int) -> None:
-        """Refuse ``end`` positions beyond the model's context (known from ``model_config`` or the first forward)
-        or beyond ``max_cache_len``."""
-        limit = self.max_positions
-        if limit is not None and end > limit:
-            raise ValueError(f"{end} tokens exceed the model's context of {limit} positions (max_position_embeddings)")
-        if self.max_tokens is not None and end > self.max_tokens:
-            raise ValueError(f"{end} tokens exceed this cache's max_cache_len={self.max_tokens}; make the cache with a "
-                             "larger max_cache_len (prompt length + max_new_tokens), or without one to let it grow")
+        """Refuse ``end`` positions beyond the model's context or ``max_cache_len`` (:mod:`~flexicache_hf.lengths`)."""
+        refuse_length(end, self.max_positions, self.max_tokens)
 
     def check_model(self, model_config) -> None:
         """Refuse a model this cache cannot serve: another shape than the profile's, or non-full attention."""
@@ -256,11 +253,10 @@ class FlexiCache(CacheAccounting, Cache):
 
     @property
     def is_compileable(self) -> bool:
-        """Whether ``generate`` may compile (and CUDA-graph) the decode step, as it does for StaticCache: with a
-        ``max_cache_len`` (everything then has a fixed address), the GPU kernels and no observer (which is told
-        of every re-rank on the host)."""
+        """Whether ``generate`` may compile (and CUDA-graph) the decode step, as for StaticCache: with a ``max_cache_len``
+        (fixed addresses), the GPU kernels and no observer (told of every re-rank on the host)."""
         return (self.max_tokens is not None and self.kernels is None and self.observer is None
-                and num_pages(self.max_tokens + self.config.page_size - 1, self.config.page_size) <= MAX_SELECT_PAGES)
+                and room_pages(self.max_tokens, self.config.page_size) <= MAX_SELECT_PAGES)
 
     def decode_state(self, device: torch.device) -> DecodeState:
         """The step schedule all layers on ``device`` share (made for the first layer to allocate there)."""
@@ -276,6 +272,13 @@ class FlexiCache(CacheAccounting, Cache):
                 layer.catch_up()
 
     # ---- HF cache API ---------------------------------------------------------------------------------------
+    def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
+        """The layer's ``(kv_length, kv_offset)``; asked eagerly before every step ``generate`` runs, even a compiled
+        one, so a sized cache refuses here the tokens that would not fit (:func:`~flexicache_hf.lengths.check_room`)."""
+        if not torch.compiler.is_compiling():
+            check_room(self, query_length.shape[0] if isinstance(query_length, torch.Tensor) else query_length)
+        return super().get_mask_sizes(query_length, layer_idx)
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         if torch.compiler.is_compiling():  # the device count: reading the host flag would guard on it
             return self.layers[layer_idx].device_length()
@@ -345,4 +348,5 @@ class FlexiCache(CacheAccounting, Cache):
         c = self.config
         return (f"FlexiCache({self.profile.model.name or self.profile.model.model_type}, page_size={c.page_size}, "
                 f"token_budget={c.token_budget}, rerank_interval={c.rerank_interval}, offload={c.offload}, "
-                f"unstable={len(self.profile.unstable)}/{self.profile.model.num_layers * self.profile.model.num_kv_heads})")
+                f"unstable={len(self.profile.unstable)}/{self.profile.model.num_layers * self.profile.model.num_kv_heads}, "
+                f"settings: {self.settings_source})")

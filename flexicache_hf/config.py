@@ -69,11 +69,15 @@ class FlexiCacheConfig:
             device, allow: the oracle's ranking for those heads, at the cost of reading their keys every step.
         unstable_bound_shrink: ``bound_shrink`` for the unstable heads only (``None``: the same as the stable
             heads'; not with ``unstable_group_score="exact"``, which uses no bound).
-        stagger_reranks: ``False`` (the paper): every layer's stable heads re-rank on the same steps ``R, 2R,
-            ...``, so every R-th step promotes all layers' new pages at once.  ``True``: layer ``l`` re-ranks them
-            on the steps ``s ≡ l (mod R)``, ``s > 0``, so each step promotes ~1/R of the pages: the same interval per
-            head, smoother step times.  Either way the prompt's last query gives the stable heads their first top-K
-            (it stands for step 0's re-rank), and after a follow-up prompt chunk step 0 re-ranks every head.
+        stagger_reranks: ``True`` (the default): layer ``l`` re-ranks its stable heads on the steps
+            ``s ≡ l (mod R)``, ``s > 0``, so each step promotes ~1/R of the pages: the same interval per head, even
+            step times (at 16 x 16k on an H200 the paper's schedule made every R-th step ~4x the median).  ``False``
+            (the paper): every layer's stable heads re-rank on the same steps ``R, 2R, ...``.  On Qwen2.5-Coder-0.5B
+            at 16k the two keep the same accuracy (``docs/benchmarks/accuracy.md``, ``stagger-16k``).  Either way
+            the prompt's last query gives the stable heads their first top-K (it stands for step 0's re-rank), and
+            after a follow-up prompt chunk step 0 re-ranks every head.
+
+    :meth:`paper` gives the paper's settings exactly.
     """
 
     page_size: int = 16
@@ -84,7 +88,7 @@ class FlexiCacheConfig:
     sink_pages: int = 0
     recent_pages: int = 0
     group_score: str = "max"
-    stagger_reranks: bool = False
+    stagger_reranks: bool = True
     bound_shrink: float = 1.0
     unstable_group_score: str | None = None
     unstable_bound_shrink: float | None = None
@@ -132,6 +136,18 @@ class FlexiCacheConfig:
         cap = self.host_memory_limit
         if cap is not None and (not _is_int(cap) or cap < 0):
             raise ConfigError(f"host_memory_limit must be None or a non-negative number of bytes, got {cap!r}")
+
+    @classmethod
+    def paper(cls, **overrides) -> "FlexiCacheConfig":
+        """The paper's settings exactly (FlexiCache, §4): 16-token pages, R = 16, a 2048-token budget, pages ranked by
+        the group's largest min/max bound (Quest's), no sink or recent pages, every layer re-ranking on the same
+        steps; ``overrides`` change single fields (``paper(token_budget=1024)``, the paper's other budget).  The
+        paper's 25 % unstable heads are the profile's part: the shipped profiles hold 25 % (one with per-head scores
+        re-cuts to any fraction: ``profile.least_stable(0.25)``)."""
+        paper = dict(page_size=16, rerank_interval=16, token_budget=2048, group_score="max", bound_shrink=1.0,
+                     sink_pages=0, recent_pages=0, stagger_reranks=False, offload=True, unstable_group_score=None,
+                     unstable_bound_shrink=None)
+        return cls(**{**paper, **overrides})
 
     @property
     def stable_scoring(self) -> tuple[str, float]:

@@ -14,11 +14,18 @@ from __future__ import annotations
 
 import threading
 
+import torch
+
+INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
 
 def crop(cache, max_length: int) -> None:
     """transformers' ``Cache.crop``: a negative ``max_length`` drops that many of the newest tokens, a positive one
     keeps that many (transformers < 5.18's form; nothing happens if the cache holds no more), 0 changes nothing.
-    Every token dropped: the cache is emptied, as :meth:`~flexicache_hf.FlexiCache.reset` does."""
+    Every token dropped: the cache is emptied, as :meth:`~flexicache_hf.FlexiCache.reset` does.  A 0-d integer
+    tensor counts as its value (transformers 5.17's assisted decoding passes one)."""
+    if isinstance(max_length, torch.Tensor) and max_length.ndim == 0 and max_length.dtype in INTEGER_DTYPES:
+        max_length = int(max_length)
     if isinstance(max_length, bool) or not isinstance(max_length, int):
         raise TypeError(f"crop takes a number of tokens, got {max_length!r}")
     cache.ensure_usable()

@@ -1,11 +1,13 @@
 """``make demo``: SmolLM2 on a long real document, generating with FlexiCache, and what it saved.
 
-    python -m flexicache_hf.demo [--prompt-tokens 3000] [--new-tokens 128] [--budget 512] [--no-dense]
+    python -m flexicache_hf.demo [--prompt-tokens 3000] [--new-tokens 128] [--budget 512] [--no-dense] [--paper]
 
 Runs on the CPU in a few minutes (2 cores): the embedded SmolLM2-135M-Instruct GGUF, the longest section
 of the Python language reference (from the built-in corpus, assembled from this installation on first
-use) with an instruction, greedy generation with ``FlexiCache(profile)``, then the same with
-``DynamicCache`` + SDPA for the agreement and speed comparison.
+use) with an instruction, greedy generation with ``FlexiCache(profile, token_budget=budget)`` -- the profile's
+own settings, the budget alone set here -- then the same with ``DynamicCache`` + SDPA for the agreement and speed
+comparison.  ``--paper`` runs the paper's settings instead (``FlexiCacheConfig.paper()``, the profile's own heads);
+the other selection flags override single settings.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from transformers import DynamicCache
 
 from .cache import FlexiCache
 from .config import FlexiCacheConfig
-from .corpus import REFERENCE
+from .corpus import DOCSTRINGS, LICENSES, REFERENCE
 from .data import build_prompt, documents_by_source
 from .eval.fidelity import Reference, score
 from .head_profile import resolve_profile
@@ -27,6 +29,7 @@ from .models import load_default_model
 
 DEMO_PROFILE = "SmolLM2-135M-Instruct"
 DEMO_INSTRUCTION = "Summarise the document above in a few paragraphs."
+DOCUMENTS = {"reference": REFERENCE, "license": LICENSES, "docstring": DOCSTRINGS}
 
 
 def _mib(n: int) -> str:
@@ -38,9 +41,17 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompt-tokens", type=int, default=3000)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--budget", type=int, default=512, help="token budget per KV head and step")
-    ap.add_argument("--rerank-interval", type=int, default=16)
-    ap.add_argument("--sink-pages", type=int, default=0, help="first pages every re-rank keeps (paper: 0)")
-    ap.add_argument("--recent-pages", type=int, default=0, help="newest pages every re-rank keeps (paper: 0)")
+    ap.add_argument("--paper", action="store_true", help="the paper's settings (FlexiCacheConfig.paper()) instead "
+                    "of the profile's, with the profile's own unstable heads")
+    ap.add_argument("--page-size", type=int, default=None, help="tokens per page (default: the profile's)")
+    ap.add_argument("--rerank-interval", type=int, default=None, help="R (default: the profile's)")
+    ap.add_argument("--sink-pages", type=int, default=None, help="first pages every re-rank keeps (default: the "
+                    "profile's; paper: 0)")
+    ap.add_argument("--recent-pages", type=int, default=None, help="newest pages every re-rank keeps (default: the "
+                    "profile's; paper: 0)")
+    ap.add_argument("--document", choices=DOCUMENTS, default="reference",
+                    help="the built-in corpus's longest document of a source: the language reference (default), "
+                    "a license text, a docstring page")
     ap.add_argument("--profile", default=DEMO_PROFILE, help="profile name, path, or shipped model name")
     ap.add_argument("--gguf", default=None, help="path of the SmolLM2 GGUF (default: the embedded one)")
     ap.add_argument("--instruction", default=DEMO_INSTRUCTION, help="the request after the document")
@@ -53,12 +64,21 @@ def main(argv=None) -> dict:
     print(f"loaded SmolLM2-135M-Instruct (GGUF) in {time.perf_counter() - t0:.1f} s")
     # The longest language-reference section (~60k characters): long enough for any --prompt-tokens a CPU
     # run takes, and the same document wherever the demo runs on one Python version.
-    doc = max(documents_by_source()[REFERENCE], key=lambda d: (len(d.text), d.id))
+    doc = max(documents_by_source()[DOCUMENTS[args.document]], key=lambda d: (len(d.text), d.id))
     ids = build_prompt(tok, doc, args.instruction, args.prompt_tokens)
     profile = resolve_profile(args.profile)
-    cfg = FlexiCacheConfig(token_budget=args.budget, rerank_interval=args.rerank_interval,
-                           sink_pages=args.sink_pages, recent_pages=args.recent_pages)
-    cache = FlexiCache(profile, cfg, model_config=model.config, count_pages=True)
+    fields = {name: value for name, value in (("page_size", args.page_size), ("rerank_interval", args.rerank_interval),
+                                              ("sink_pages", args.sink_pages), ("recent_pages", args.recent_pages))
+              if value is not None}
+
+    def new_cache() -> FlexiCache:
+        if args.paper:
+            return FlexiCache(profile, FlexiCacheConfig.paper(token_budget=args.budget, **fields),
+                              model_config=model.config, count_pages=True)
+        return FlexiCache(profile, token_budget=args.budget, **fields, model_config=model.config, count_pages=True)
+
+    cache = new_cache()
+    cfg, used = cache.config, cache.profile  # what the cache uses (the profile re-cut to its settings' fraction)
     gen = dict(max_new_tokens=args.new_tokens, do_sample=False, attention_mask=torch.ones_like(ids))
 
     t0 = time.perf_counter()
@@ -70,8 +90,10 @@ def main(argv=None) -> dict:
 
     report = {"document": doc.title, "prompt_tokens": ids.shape[1], "new_tokens": int(new.numel()),
               "token_budget": args.budget, "page_size": cfg.page_size, "rerank_interval": cfg.rerank_interval,
-              "sink_pages": cfg.sink_pages, "recent_pages": cfg.recent_pages,
-              "unstable_heads": len(profile.unstable), "heads": profile.model.num_layers * profile.model.num_kv_heads,
+              "sink_pages": cfg.sink_pages, "recent_pages": cfg.recent_pages, "group_score": cfg.group_score,
+              "bound_shrink": cfg.bound_shrink, "unstable_group_score": cfg.unstable_group_score,
+              "settings_source": cache.settings_source,
+              "unstable_heads": len(used.unstable), "heads": used.model.num_layers * used.model.num_kv_heads,
               "seconds_flexicache": t_fc, **cache.memory_report()}
     st = cache.stats
     report["pages_per_head_step"] = st.pages_attended / max(st.head_steps, 1)
@@ -94,7 +116,7 @@ def main(argv=None) -> dict:
         # figure feeds FlexiCache dense's own tokens and counts the steps where it predicts dense's next one
         # (the eval's fidelity score; doc_index -1: the demo's document is no corpus row).
         forced = score(model, [Reference(doc_index=-1, prompt=ids, continuation=dense.tolist())],
-                       lambda: FlexiCache(profile, cfg, model_config=model.config), free_run=False)
+                       new_cache, free_run=False)
         report["teacher_forced_top1"] = forced[0]["top1_agreement"]
 
     print("\n--- what FlexiCache did " + "-" * 48)
@@ -104,7 +126,9 @@ def main(argv=None) -> dict:
           f"per KV head (context: {report['pages_in_context']} pages)"
           + (f", {cfg.sink_pages} sink + {cfg.recent_pages} recent pages kept" if cfg.sink_pages or cfg.recent_pages
              else ""))
-    print(f"unstable heads      {report['unstable_heads']} of {report['heads']} (profile {profile.model.name or args.profile})")
+    print(f"unstable heads      {report['unstable_heads']} of {report['heads']} (profile {used.model.name or args.profile})"
+          + (", ranked by exact attention mass" if cfg.unstable_group_score == "exact" else ""))
+    print(f"settings            {cache.settings_source}")
     print(f"pages attended      {report['pages_per_head_step']:.1f} per KV head per decode step")
     print(f"heads re-ranked     {100 * report['head_rerank_fraction']:.0f}% of (layer, head) steps; "
           f"{report['promoted_pages']} pages promoted from host")

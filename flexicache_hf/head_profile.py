@@ -20,138 +20,14 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Iterable, Mapping
 
+from .config import ConfigError
+from .model_identity import ModelIdentity, ProfileError, _identity, _is_int, _is_number  # noqa: F401 (re-exported)
+from .settings import ProfileSettings
+
 FORMAT = "flexicache-head-profile"
 FORMAT_VERSION = 1
 
 Head = tuple[int, int]
-
-
-class ProfileError(ValueError):
-    """A head profile, or the input used to build or find one, is invalid."""
-
-
-def _is_int(x: Any) -> bool:
-    # bool is an int subclass; True as a layer index is always a bug.
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _architecture_for(model_type: str) -> str:
-    # GGUF-loaded configs carry no `architectures`; ask transformers' own table
-    # before guessing, so the name matches what a hub config would report.
-    try:
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-        name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
-    except ImportError:
-        name = None
-    if name:
-        return name
-    return "".join(p[:1].upper() + p[1:] for p in re.split(r"[_\-]", model_type)) + "ForCausalLM"
-
-
-@dataclass(frozen=True)
-class ModelIdentity:
-    """The attention shape a profile was measured on.
-
-    Only the shape (``same_shape``) decides compatibility; ``architecture`` and
-    ``name`` are informative, because the same weights may be loaded through
-    different classes (a GGUF SmolLM2 reports ``LlamaForCausalLM``).
-    """
-
-    architecture: str
-    model_type: str
-    num_layers: int
-    num_attention_heads: int
-    num_kv_heads: int
-    head_dim: int
-    name: str | None = None
-
-    def __post_init__(self) -> None:
-        for key in ("architecture", "model_type"):
-            if not isinstance(getattr(self, key), str):
-                raise ProfileError(f"model.{key} must be a string, found {getattr(self, key)!r}")
-        for key in ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim"):
-            v = getattr(self, key)
-            if not _is_int(v) or v <= 0:
-                raise ProfileError(f"model.{key} must be a positive integer, found {v!r}")
-        if self.num_attention_heads % self.num_kv_heads:
-            raise ProfileError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_kv_heads ({self.num_kv_heads}); check the model config"
-            )
-        if self.name is not None and not isinstance(self.name, str):
-            raise ProfileError(f"model.name must be a string or null, found {self.name!r}")
-
-    @classmethod
-    def from_config(cls, config: Any) -> ModelIdentity:
-        """Read the shape from a transformers ``PretrainedConfig`` (or a model)."""
-        config = getattr(config, "config", config)  # accept a model too
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        model_type = getattr(text, "model_type", None) or getattr(config, "model_type", None)
-        layers = getattr(text, "num_hidden_layers", None)
-        heads = getattr(text, "num_attention_heads", None)
-        if not model_type or layers is None or heads is None:
-            raise ProfileError(
-                "expected a transformers decoder config with model_type, num_hidden_layers and "
-                f"num_attention_heads, found {type(config).__name__}; pass model.config"
-            )
-        kv = getattr(text, "num_key_value_heads", None) or heads
-        head_dim = getattr(text, "head_dim", None)
-        if not head_dim:
-            hidden = getattr(text, "hidden_size", None)
-            if hidden is None:
-                raise ProfileError(f"{type(config).__name__} has neither head_dim nor hidden_size")
-            head_dim = hidden // heads
-        archs = getattr(config, "architectures", None)
-        arch = archs[0] if archs else _architecture_for(model_type)
-        name = getattr(config, "name_or_path", None)
-        if name is None:
-            name = getattr(config, "_name_or_path", None)
-        return cls(arch, model_type, layers, heads, kv, head_dim, None if name is None else str(name))
-
-    def same_shape(self, other: ModelIdentity) -> bool:
-        return self._shape() == other._shape()
-
-    def _shape(self) -> tuple:
-        return (self.model_type, self.num_layers, self.num_attention_heads, self.num_kv_heads, self.head_dim)
-
-    def describe(self) -> str:
-        who = f"{self.name} " if self.name else ""
-        return (
-            f"{who}({self.model_type}: {self.num_layers} layers, {self.num_attention_heads} attention "
-            f"heads, {self.num_kv_heads} KV heads, head_dim {self.head_dim})"
-        )
-
-    def to_dict(self) -> dict:
-        return {
-            "architecture": self.architecture,
-            "model_type": self.model_type,
-            "num_layers": self.num_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_kv_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "name": self.name,
-        }
-
-    @classmethod
-    def from_dict(cls, d: Any) -> ModelIdentity:
-        if not isinstance(d, dict):
-            raise ProfileError(f"'model' must be a JSON object, found {type(d).__name__}")
-        required = ("architecture", "model_type", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim")
-        missing = [k for k in required if k not in d]
-        if missing:
-            raise ProfileError(f"'model' is missing keys {missing}; expected {list(required) + ['name']}")
-        extra = sorted(set(d) - set(required) - {"name"})
-        if extra:
-            raise ProfileError(f"'model' has unexpected keys {extra}; expected {list(required) + ['name']}")
-        return cls(**{k: d[k] for k in required}, name=d.get("name"))
-
-
-def _identity(model: Any) -> ModelIdentity:
-    return model if isinstance(model, ModelIdentity) else ModelIdentity.from_config(model)
 
 
 def _head(x: Any, what: str) -> Head:
@@ -168,6 +44,9 @@ class HeadProfile:
     ``provenance`` are stored as read-only ``MappingProxyType`` views over private
     copies, and are left out of ``hash()`` (they still take part in ``==``), so a
     profile can key a dict while its metadata cannot be changed behind its back.
+    ``settings`` (:class:`~flexicache_hf.settings.ProfileSettings`, optional): the FlexiCacheConfig fields and
+    unstable fraction measured best for the model, and the measurement that chose them; ``FlexiCache(profile)``
+    without a config uses them (:func:`~flexicache_hf.settings.resolve_settings`).
     """
 
     model: ModelIdentity
@@ -175,6 +54,7 @@ class HeadProfile:
     scores: Mapping[Head, float] | None = field(default=None, hash=False)
     provenance: Mapping[str, Any] = field(default_factory=dict, hash=False)
     format_version: int = FORMAT_VERSION
+    settings: ProfileSettings | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelIdentity):
@@ -202,11 +82,23 @@ class HeadProfile:
         except (TypeError, ValueError) as e:
             raise ProfileError(f"provenance must be JSON-serialisable: {e}") from e
         object.__setattr__(self, "provenance", MappingProxyType(prov))
+        if self.settings is not None:
+            try:
+                settings = self.settings
+                if not isinstance(settings, ProfileSettings):
+                    settings = ProfileSettings.from_dict(settings)
+            except ConfigError as e:
+                raise ProfileError(f"'settings': {e}") from None
+            if settings.unstable_fraction is not None and not self.scores:
+                raise ProfileError(f"settings' unstable_fraction ({settings.unstable_fraction}) needs per-head "
+                                   "scores to re-cut the profile, and this profile has none")
+            object.__setattr__(self, "settings", settings)
 
     def __reduce__(self):
         # The read-only mapping views cannot be pickled or deep-copied; rebuild them from plain dicts.
         scores = None if self.scores is None else dict(self.scores)
-        return (type(self), (self.model, self.unstable, scores, dict(self.provenance), self.format_version))
+        return (type(self), (self.model, self.unstable, scores, dict(self.provenance), self.format_version,
+                             self.settings))
 
     def _checked(self, h: Head) -> Head:
         m = self.model
@@ -241,12 +133,17 @@ class HeadProfile:
     def least_stable(self, fraction: float) -> HeadProfile:
         """This profile re-cut from its measured scores: the ``fraction`` of heads with the lowest TS unstable
         (e.g. 0.375 instead of the profiler's 0.25; see the README's settings per model).  Raises ProfileError
-        when the profile carries no scores (a published list of heads cannot be re-cut)."""
+        when the profile carries no scores (a published list of heads cannot be re-cut).  The profile's
+        :attr:`settings` come along without their own ``unstable_fraction`` (this cut replaces it)."""
         if not self.scores:
             raise ProfileError("this profile has no per-head scores to re-cut (it lists its unstable heads only); "
                                "measure one with `python -m flexicache_hf.profile` to choose another fraction")
         prov = {**self.provenance, "fraction": fraction, "recut_from_fraction": self.unstable_fraction}
-        return HeadProfile.from_scores(self.model, self.scores, fraction, provenance=prov)
+        cut = HeadProfile.from_scores(self.model, self.scores, fraction, provenance=prov)
+        if self.settings is None:
+            return cut
+        return HeadProfile(cut.model, cut.unstable, cut.scores, cut.provenance, cut.format_version,
+                           self.settings.without_fraction())
 
     def check_model(self, config: Any) -> None:
         """Raise ProfileError unless ``config`` (or a model / ModelIdentity) has this shape."""
@@ -270,6 +167,7 @@ class HeadProfile:
             "unstable_heads": [list(h) for h in sorted(self.unstable)],
             "scores": scores,
             "provenance": json.loads(json.dumps(dict(self.provenance))),
+            **({} if self.settings is None else {"settings": self.settings.to_dict()}),
         }
 
     @classmethod
@@ -287,9 +185,10 @@ class HeadProfile:
             )
         keys = ("format", "format_version", "model", "unstable_heads", "scores", "provenance")
         missing = [k for k in keys if k not in d]
-        extra = sorted(set(d) - set(keys))
+        extra = sorted(set(d) - set(keys) - {"settings"})  # settings: optional (FlexiCacheConfig's defaults)
         if missing or extra:
-            raise ProfileError(f"expected exactly the keys {list(keys)}; missing {missing}, unexpected {extra}")
+            raise ProfileError(f"expected the keys {list(keys)} and optionally 'settings'; missing {missing}, "
+                               f"unexpected {extra}")
         heads_in = d["unstable_heads"]
         if not isinstance(heads_in, list):
             raise ProfileError(f"'unstable_heads' must be a list of [layer, kv_head], found {type(heads_in).__name__}")
@@ -310,7 +209,7 @@ class HeadProfile:
                 scores[k] = row[2]
         if not isinstance(d["provenance"], dict):
             raise ProfileError(f"'provenance' must be a JSON object, found {type(d['provenance']).__name__}")
-        return cls(ModelIdentity.from_dict(d["model"]), frozenset(heads), scores, d["provenance"], v)
+        return cls(ModelIdentity.from_dict(d["model"]), frozenset(heads), scores, d["provenance"], v, d.get("settings"))
 
     def to_json(self) -> str:
         text = json.dumps(self.to_dict(), indent=2, allow_nan=False)

@@ -28,6 +28,12 @@ def num_pages(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
+def room_pages(num_tokens: int, page_size: int) -> int:
+    """Pages that hold ``num_tokens`` tokens stored from any position of a page: a layer's storage positions lead
+    the model's by up to ``page_size - 1`` (the schedule's ``origin``), so room is made for that many more."""
+    return num_pages(num_tokens + page_size - 1, page_size)
+
+
 def grown_capacity(needed_pages: int, current: int) -> int:
     """Capacity (in pages) once ``needed_pages`` do not fit in ``current``.
 
@@ -39,15 +45,15 @@ def grown_capacity(needed_pages: int, current: int) -> int:
     return needed_pages + max(needed_pages // 16, 8)
 
 
-def room_pages(end: int, max_tokens: int | None, page_size: int, current: int) -> int | None:
-    """The page capacity a layer holding ``current`` pages takes to make room for ``end`` tokens, or None where there
-    is room: ``max_tokens``' (``max_cache_len``) when given, else grown with headroom (:func:`grown_capacity`).
-    Storage positions lead model positions by less than a page (the schedule's ``origin``): room is made for
-    ``page_size - 1`` more."""
-    need = num_pages(end + page_size - 1, page_size)
+def room_capacity(end: int, max_tokens: int | None, page_size: int, current: int) -> int | None:
+    """The page capacity a layer holding ``current`` pages takes to make room for ``end`` tokens
+    (:func:`room_pages`), or None where there is room: ``max_tokens``' (``max_cache_len``) when given, else grown
+    with headroom (:func:`grown_capacity`, amortised O(1) per token).  The one rule for a layer's pages: its storage
+    grows by it, and the host tiers' bytes are planned by it before any layer grows."""
+    need = room_pages(end, page_size)
     if need <= current:
         return None
-    return num_pages(max_tokens + page_size - 1, page_size) if max_tokens is not None else grown_capacity(need, current)
+    return room_pages(max_tokens, page_size) if max_tokens is not None else grown_capacity(need, current)
 
 
 def host_capacity(pages: int) -> int:

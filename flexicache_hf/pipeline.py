@@ -28,7 +28,7 @@ class FlexiCachePipeline(TextGenerationPipeline):
         super().__init__(*args, **kwargs)
         self.flexicache_profile = resolve_profile(flexicache_profile)
         self.flexicache_profile.check_model(self.model.config)
-        self.flexicache_config = flexicache_config or FlexiCacheConfig()
+        self.flexicache_config = flexicache_config  # None: the profile's settings (FlexiCache(profile)'s own)
         self.last_cache: FlexiCache | None = None  # the most recent call's cache, for its stats (the next call's
         # cache when it fits: read them before the next call)
 

@@ -38,6 +38,16 @@ def twin_models(config, seed: int = 0):
     return fc, dense
 
 
+def compile_config():
+    """generate's compile of the decode step on the CPU: Dynamo + AOT autograd with the ``aot_eager`` backend (no
+    code generation), the whole forward in one graph (``fullgraph=True``)."""
+    from transformers import CompileConfig
+
+    cc = CompileConfig(backend="aot_eager", fullgraph=True, mode=None)
+    cc._compile_all_devices = True  # generate compiles on CUDA only unless told
+    return cc
+
+
 @pytest.fixture(scope="session", autouse=True)
 def corpus_cache_dir(tmp_path_factory):
     """The built-in corpus is cached in a folder of this session: tests never write to the user's home,

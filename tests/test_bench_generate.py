@@ -86,18 +86,20 @@ def test_cli_flags_and_defaults():
 
     args = vars(build_parser().parse_args([]))
     assert args == {
-        "model": "llama8b", "gguf": None, "cases": "1x16384,16x16384,16x30720",
-        "rows": "dynamic,static,offloaded,flexicache,flexicache-graph", "static_variants": "sdpa",
+        "model": "llama8b", "gguf": None, "task": "text", "cases": "1x16384,16x16384,16x30720",
+        "rows": "dynamic,static,offloaded,flexicache,flexicache-graph,flexicache-unsized", "static_variants": "sdpa",
         "static_prefill_chunk": 0, "prefill_chunk": 0, "new_tokens": 256, "prompt_lookup": 0, "offloaded_tokens": 16, "budget": 1024,
-        "rerank_interval": 16, "stagger_reranks": False, "group_score": "max", "page_size": 16, "bound_shrink": 1.0,
+        "rerank_interval": 16, "stagger_reranks": None, "group_score": "max", "page_size": 16, "bound_shrink": 1.0,
         "unstable_group_score": None, "unstable_fraction": None, "profile_steps": 0, "largest_batch": None,
         "probe_tokens": 16, "probe_start": 16, "probe_step": 8, "max_probes": 8, "probe_compiled": False,
         "host_limit_gb": None, "followup": False, "followup_tokens": 512, "followup_repeats": 5,
         "out": Path(__file__).resolve().parents[1] / "docs" / "benchmarks", "tag": None}
     args = build_parser().parse_args("--cases 1x16384,16x16384 --rows flexicache-graph,static-sdpa_grouped "
-                                     "--static-variants sdpa_grouped --new-tokens 128 --prompt-lookup 10".split())
-    assert (args.cases, args.rows, args.static_variants, args.new_tokens, args.prompt_lookup) == (
-        "1x16384,16x16384", "flexicache-graph,static-sdpa_grouped", "sdpa_grouped", 128, 10)
+                                     "--static-variants sdpa_grouped --new-tokens 128 --prompt-lookup 10 --model qwen "
+                                     "--task copy".split())
+    assert (args.cases, args.rows, args.static_variants, args.new_tokens, args.prompt_lookup, args.model,
+            args.task) == ("1x16384,16x16384", "flexicache-graph,static-sdpa_grouped", "sdpa_grouped", 128, 10,
+                           "qwen", "copy")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--model", "llama70b"])
 

@@ -14,11 +14,13 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from conftest import tiny_config, twin_models
-from flexicache_hf import FlexiCache, HeadProfile
+from flexicache_hf import FlexiCache, FlexiCacheConfig, HeadProfile
 
 PS = 4
-BUDGETS = {"small": dict(page_size=PS, token_budget=12, rerank_interval=3),
-           "full": dict(page_size=PS, token_budget=512, rerank_interval=3)}
+# The paper's schedule (every layer re-ranks on steps 3, 6, ...): the tests' step arithmetic (which dropped step
+# re-ranked) is written for it; test_crop_of_staggered_steps covers the default schedule.
+BUDGETS = {"small": dict(page_size=PS, token_budget=12, rerank_interval=3, stagger_reranks=False),
+           "full": dict(page_size=PS, token_budget=512, rerank_interval=3, stagger_reranks=False)}
 
 
 def feed(model, cache, tokens):
@@ -56,6 +58,18 @@ def decode_steps(model, cache, tokens):
 @pytest.mark.parametrize("offload", [True, False])
 @pytest.mark.parametrize("drop", [1, 3, 9])
 def test_crop_of_decode_steps_continues_as_the_cache_before_them(budget, max_cache_len, offload, drop):
+    crop_decode_steps(budget, max_cache_len, offload, drop, stagger=False)
+
+
+@pytest.mark.parametrize("budget", list(BUDGETS))
+@pytest.mark.parametrize("drop", [1, 3, 9])
+def test_crop_of_staggered_steps(budget, drop):
+    """The default schedule (layer l re-ranks on steps = l mod R): with R = 3 and two layers, layer 1 re-ranked at
+    step 7, so dropping it alone (drop=1) dropped a re-rank too: the next step re-ranks every head."""
+    crop_decode_steps(budget, None, True, drop, stagger=True)
+
+
+def crop_decode_steps(budget, max_cache_len, offload, drop, stagger):
     """21 prompt tokens (pages of 4), 8 decode steps (positions 21..28; the stable heads re-rank at steps 3 and 6).
     drop=1 removes step 7, the first token of page 7 (across a page boundary, no re-rank): undone exactly, the
     steps after it are those of the cache as it was after 7 steps.  drop=3 removes steps 5-7, step 6 re-ranked:
@@ -65,7 +79,8 @@ def test_crop_of_decode_steps_continues_as_the_cache_before_them(budget, max_cac
     cfg = tiny_config("llama", heads=4, kv_heads=2)
     fc, dense = twin_models(cfg)
     profile = HeadProfile.random(cfg, 0.5, seed=3)
-    make = lambda: FlexiCache(profile, **BUDGETS[budget], offload=offload, max_cache_len=max_cache_len)  # noqa: E731
+    cfg = {**BUDGETS[budget], "stagger_reranks": stagger}
+    make = lambda: FlexiCache(profile, **cfg, offload=offload, max_cache_len=max_cache_len)  # noqa: E731
     g = torch.Generator().manual_seed(drop)
     prompt, steps, after = (torch.randint(2, 96, (2, n), generator=g) for n in (21, 8, 20))
     cache, before = make(), make()
@@ -82,14 +97,15 @@ def test_crop_of_decode_steps_continues_as_the_cache_before_them(budget, max_cac
     assert cache.get_seq_length() == 29 - drop
     if max_cache_len is not None:  # in place: a compiled step's CUDA graphs replay on the same buffers
         assert [t.data_ptr() for layer in cache.layers for t in layer.buffers()] == buffers
-    if drop > 1:  # a re-rank (or the prompt's seat) dropped: the next step re-ranks every head
+    rerank_dropped = drop > 1 or stagger  # (staggered: step 7 re-ranked layer 1)
+    if rerank_dropped:  # a re-rank (or the prompt's seat) dropped: the next step re-ranks every head
         for state in before.states.values():
             state.restore(state.host_origin + 29 - drop, 0, True)  # (storage positions)
     reranks = cache.stats.head_reranks, before.stats.head_reranks
     full = budget == "full"
     kept = torch.cat([prompt, steps], 1)[:, : 29 - drop]
     feed(fc, cache, after[:, :1]), feed(fc, before, after[:, :1])
-    if drop > 1:  # every head of every layer re-ranked at that step
+    if rerank_dropped:  # every head of every layer re-ranked at that step
         assert cache.stats.head_reranks - reranks[0] == len(cache.layers) * 2
     assert cache.stats.head_reranks - reranks[0] == before.stats.head_reranks - reranks[1]
     if full:
@@ -134,6 +150,11 @@ def test_crop_counts():
         cache.crop(-31)
     with pytest.raises(TypeError):
         cache.crop(True)
+    with pytest.raises(TypeError):
+        cache.crop(torch.tensor(-2.0))
+    cache.crop(torch.tensor(-2))  # transformers 5.17's assisted decoding passes a 0-d tensor
+    assert cache.get_seq_length() == 28
+    feed(fc, cache, ids[:, 28:])  # the two tokens back
     assert cache.get_seq_length() == 30 and cache.is_croppable
     cache.crop(-30)  # every token: as new
     assert cache.get_seq_length() == 0
@@ -188,8 +209,8 @@ def test_prompt_lookup_at_an_eighth_of_the_prompt_scores_as_the_eval_harness(smo
     for s in (samples[0], samples[2]):
         ids = render(tok, s.context, s.question, s.answer_prefix)
         budget = ids.shape[1] // 8 // 16 * 16
-        make = lambda: FlexiCache("SmolLM2-135M-Instruct", page_size=16, token_budget=budget,  # noqa: E731
-                                  model_config=model.config)
+        make = lambda: FlexiCache("SmolLM2-135M-Instruct", FlexiCacheConfig(page_size=16, token_budget=budget),  # noqa: E731
+                                  model_config=model.config)  # the harness's config, not the profile's settings
         (out,) = greedy(model, ids, make(), s.max_new_tokens, stop_ids(model, tok))
         harness.append(s.score(tok.decode(out, skip_special_tokens=True)))
         for n, scores in lookup.items():

@@ -48,6 +48,21 @@ def test_bad_config_values(fields, match):
         FlexiCacheConfig(**fields)
 
 
+def test_paper_settings_and_the_default_schedule():
+    """``paper()`` is the paper's setting field by field (its schedule: every layer re-ranks on the same steps);
+    the default staggers the re-ranks; overrides change single fields and are validated."""
+    paper = FlexiCacheConfig.paper()
+    assert (paper.page_size, paper.rerank_interval, paper.token_budget, paper.group_score, paper.bound_shrink,
+            paper.sink_pages, paper.recent_pages, paper.stagger_reranks, paper.offload) == (
+        16, 16, 2048, "max", 1.0, 0, 0, False, True)
+    assert paper.unstable_scoring == paper.stable_scoring == ("max", 1.0)
+    assert {paper.rerank_phase(layer) for layer in range(32)} == {0}
+    assert FlexiCacheConfig().stagger_reranks and FlexiCacheConfig().rerank_phase(17) == 1
+    assert FlexiCacheConfig.paper(token_budget=1024).token_budget == 1024
+    with pytest.raises(ConfigError, match="token_budget"):
+        FlexiCacheConfig.paper(token_budget=1000)
+
+
 def test_config_or_fields_not_both():
     cfg = tiny_config("llama", heads=4, kv_heads=2)
     with pytest.raises(TypeError, match="not both"):

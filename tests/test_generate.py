@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 from transformers import DynamicCache, pipeline
 
 from conftest import tiny_config, twin_models
@@ -174,7 +176,7 @@ def test_the_cache_goes_in_under_the_name_this_transformers_takes():
     profile = HeadProfile.random(cfg, 0.25)
     ids = torch.randint(2, 96, (1, 40))
     caches = [FlexiCache(profile, page_size=4, token_budget=16, rerank_interval=3) for _ in range(2)]
-    a = fc.generate(ids, max_new_tokens=12, do_sample=False, **{name: caches[0]})
+    a = fc.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, **{name: caches[0]})
     b = greedy(fc, ids, caches[1], n=12)
     assert torch.equal(a, b) and caches[0].get_seq_length() == caches[1].get_seq_length() == 40 + 11
     pipe = pipeline("text-generation", model=fc, tokenizer=word_tokenizer(), pipeline_class=FlexiCachePipeline,
@@ -413,6 +415,9 @@ def test_offload_changes_where_pages_live_not_what_is_attended(i):
     page on the device, turn after turn (offload moves pages between tiers; it must never change the selection or the
     data a selected page holds)."""
     c = _offload_case(i)
+    if c["chunk"] and len(c["turns"]) > 1 and Version(transformers.__version__) < Version("5.24"):
+        pytest.skip("transformers 5.17's generate(prefill_chunk_size=...) on a filled cache cuts the attention mask "
+                    "from position 0 (16 columns for 54 keys), which FlexiCache refuses; 5.24 passes it whole")
     cfg = tiny_config("llama", heads=4, kv_heads=2)
     fc, _ = twin_models(cfg)
     g = torch.Generator().manual_seed(c["seed"])

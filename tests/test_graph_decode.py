@@ -11,17 +11,11 @@ import gc
 
 import pytest
 import torch
-from transformers import CompileConfig, DynamicCache
+from transformers import DynamicCache
 
-from conftest import tiny_config, twin_models
+from conftest import compile_config, tiny_config, twin_models
 from flexicache_hf import FlexiCache
 from flexicache_hf.head_profile import HeadProfile
-
-
-def compile_config():
-    cc = CompileConfig(backend="aot_eager", fullgraph=True, mode=None)
-    cc._compile_all_devices = True  # generate compiles on CUDA only unless told
-    return cc
 
 
 def graphs():
@@ -180,21 +174,6 @@ def test_follow_up_turn_after_compiled_steps(setup):
         mask2 = torch.cat([mask, torch.ones((2, turn.shape[1] - mask.shape[1]), dtype=mask.dtype)], 1)
         outs.append(run(fc, turn, mask2, cache, 15, compiled))
     assert torch.equal(outs[0], outs[1])
-
-
-def test_compiled_steps_past_max_cache_len_are_refused_on_next_use(setup):
-    """generate cannot tell the cache how many tokens it will make: a captured step that goes past
-    max_cache_len writes nowhere new, flags it on the device, and the next use of the cache raises."""
-    cfg, fc, _, ids, mask = setup
-    cache = FlexiCache(HeadProfile.all_stable(cfg), page_size=4, token_budget=12, max_cache_len=37 + 5)
-    run(fc, ids, mask, cache, 12, compiled=True)
-    with pytest.raises(OverflowError, match="max_cache_len=42"):
-        cache.memory_report()
-    with pytest.raises(OverflowError):
-        run(fc, ids, mask, cache, 3, compiled=True)
-    cache.reset()
-    run(fc, ids, mask, cache, 5, compiled=True)  # reset: usable again
-    assert cache.get_seq_length() == 41
 
 
 def test_compiled_decode_after_reset_reuses_the_program(setup):

@@ -17,7 +17,7 @@ from flexicache_hf import FlexiCache, HeadProfile, HostMemoryError, kept_storage
 from flexicache_hf import block_keeper, host_memory, recycling
 from flexicache_hf.block_keeper import BlockKeeper
 from flexicache_hf.host_memory import PAGE, PinnedBlock, PinSettings, pieces, populate
-from flexicache_hf.pages import host_capacity, num_pages, room_pages
+from flexicache_hf.pages import host_capacity, num_pages, room_capacity
 
 
 class FakeBlock:
@@ -234,8 +234,9 @@ def test_host_capacity_steps_are_coarse_bounded_and_shared_by_nearby_sizes():
     assert all(p <= c <= max(p, p * 5 // 4) for p, c in zip(range(1, 5000), caps))
     assert caps == sorted(caps) and all(host_capacity(c) == c for c in caps)
     assert sorted(set(caps[1024:2048])) == [1280, 1536, 1792, 2048]  # pages 1025..2048: 4 sizes per doubling
-    assert room_pages(100, None, 16, 0) == num_pages(115, 16) + 8 and room_pages(100, 200, 16, 0) == num_pages(215, 16)
-    assert room_pages(100, None, 16, 64) is None
+    assert room_capacity(100, None, 16, 0) == num_pages(115, 16) + 8
+    assert room_capacity(100, 200, 16, 0) == num_pages(215, 16)
+    assert room_capacity(100, None, 16, 64) is None
 
 
 def test_first_forward_checks_every_layers_host_tier_at_layer_0_on_exact_bytes():
@@ -247,7 +248,7 @@ def test_first_forward_checks_every_layers_host_tier_at_layer_0_on_exact_bytes()
     probe = FlexiCache(profile, **kw)
     fc(ids, past_key_values=probe)
     need = probe.host_bytes()
-    pages = room_pages(40, None, 4, 0)
+    pages = room_capacity(40, None, 4, 0)
     assert need == 2 * 2 * 2 * pages * 4 * 16 * 4  # K and V, 2 rows, 2 heads, fp32: no rounding
     assert probe.layers[1].host_plan(40, torch.zeros(2, 2, 40, 16)) == []  # room already
     exact = FlexiCache(profile, **kw, host_memory_limit=need)

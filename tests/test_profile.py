@@ -213,7 +213,14 @@ def profiles(draw):
     unstable = draw(st.sets(st.sampled_from(every)))
     scores = draw(st.none() | st.dictionaries(st.sampled_from(every), st.floats(allow_nan=False, allow_infinity=False)))
     prov = draw(st.dictionaries(st.text(max_size=8), st.integers() | st.text(max_size=8) | st.lists(st.integers(), max_size=3)))
-    return HeadProfile(m, frozenset(unstable), scores, prov)
+    fields = draw(st.fixed_dictionaries({}, optional={"page_size": st.sampled_from([8, 16]),
+                                                       "group_score": st.sampled_from(["max", "mass"]),
+                                                       "bound_shrink": st.sampled_from([0.5, 1.0]),
+                                                       "sink_pages": st.integers(0, 2)}))
+    fraction = st.none() | st.sampled_from([0.25, 0.375]) if scores else st.none()
+    settings = draw(st.none() | st.builds(lambda f: {**fields, "source": "grid", **({} if f is None else
+                                                     {"unstable_fraction": f})}, fraction))
+    return HeadProfile(m, frozenset(unstable), scores, prov, settings=settings)
 
 
 @settings(max_examples=60, deadline=None)

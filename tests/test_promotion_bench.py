@@ -14,7 +14,7 @@ def test_promotion_share_counts_the_stable_heads_reranks():
     ids = torch.randint(2, 96, (1, 200))
     r = promotion_share(model, ids, profile, budget=64, new_tokens=17, rerank_interval=4)
     assert r["decode_steps"] == 16 and r["budget_pages"] == 64 // r["page_size"]
-    # 2 stable heads (one a layer), re-ranked at steps 4, 8, 12 (step 0 is the prompt's seat, no re-rank)
-    assert r["stable_reranks"] == 2 * 3
+    # 2 stable heads (one a layer), staggered (the default): layer 0 at steps 4, 8, 12, layer 1 at 1, 5, 9, 13
+    assert r["stable_reranks"] == 3 + 4
     assert 0 < r["promoted_pages"] <= r["stable_reranks"] * r["budget_pages"]
     assert r["replaced_share"] == r["promoted_pages"] / r["stable_reranks"] / r["budget_pages"]

@@ -145,8 +145,10 @@ def test_a_cache_dropped_after_a_failed_forward_serves_the_next_one_cleanly(setu
     fc, prof, a, b = setup
     cache = FlexiCache(prof, **SIZED)
     gen(fc, a, cache)
-    with pytest.raises(ValueError, match="max_cache_len"):
-        gen(fc, a, cache, n=30)  # beyond the cache's 48 tokens: refused part-way through generate
+    # beyond the cache's 48 tokens: refused (transformers 5.17 first builds a mask for the repeated prompt that does
+    # not end at the cache's end, which FlexiCache refuses as well)
+    with pytest.raises(ValueError, match="max_cache_len|4D mask"):
+        gen(fc, a, cache, n=30)
     del cache
     taken = FlexiCache(prof, **SIZED)
     got = gen(fc, b, taken)

@@ -77,6 +77,34 @@ def test_capacity_clamps_and_flags_a_captured_overflow():
         raise AssertionError("no OverflowError")
 
 
+def test_the_host_bounds_the_length_by_the_steps_announced_since_it_read_it():
+    """Steps the host does not follow (graph replays) count as run once announced: a bound that never says a step
+    fits when it does not; an over-count only sends the host back to the device, whose exact length decides."""
+    st = DecodeState("cpu", page_size=4, rerank_interval=3, capacity=8)
+    st.add_chunk(5)  # storage positions 3..7 of 3..10: room for 3 more
+    assert st.surely_fits(3) and not st.surely_fits(4)  # the mirror is exact: so is the answer
+
+    def replay():  # a captured step: the device advances, the host only learns that it is behind
+        st.advance()
+        st.stale = True
+
+    st.announce(1)
+    replay()
+    assert st.surely_fits(2) and not st.surely_fits(3)  # one step announced, so counted: room for 2
+    st.announce(1)
+    st.announce(1)  # the next step announced twice: counted twice
+    assert not st.surely_fits(1)  # (room for 1 in truth: the bound is over)
+    st.sync()  # so the host reads the length: 9 stored, the step announced last may still run
+    assert int(st.length) == st.host_length == 9 and st.surely_fits(2) and not st.surely_fits(3)
+    replay()  # it does
+    assert st.surely_fits(1) and not st.surely_fits(2)
+    st.announce(1)
+    replay()  # the last position
+    assert not st.surely_fits(1)
+    st.sync()
+    assert st.host_length == 11 and not st.surely_fits(1) and not bool(st.overflow)
+
+
 def test_one_schedule_per_device_follows_the_first_and_counts_steps_once():
     """device_map splits: a later device's first layer makes its own schedule part-way through the prompt."""
     cfg = tiny_config("llama", heads=2, kv_heads=2, layers=2, head_dim=8)

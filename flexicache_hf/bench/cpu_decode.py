@@ -32,6 +32,7 @@ def main(argv=None) -> None:
     from transformers import DynamicCache
 
     from ..cache import FlexiCache
+    from ..config import FlexiCacheConfig
     from ..data import long_prompt
     from ..models import load_default_model
 
@@ -44,7 +45,8 @@ def main(argv=None) -> None:
             model.config._attn_implementation = "sdpa"
             return DynamicCache()
         model.config._attn_implementation = "flexicache"
-        return FlexiCache("SmolLM2-135M-Instruct", token_budget=budget, model_config=model.config)
+        return FlexiCache("SmolLM2-135M-Instruct", FlexiCacheConfig(token_budget=budget),  # as cpu_decode.json was
+                          model_config=model.config)
 
     def cpu_seconds(budget, n):
         cache = cache_for(budget)

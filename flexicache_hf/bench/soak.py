@@ -111,6 +111,7 @@ def soak(*, calls: int = 1000, model: str = "tiny", device: str = "cpu", dtype: 
          rerank_interval: int = 4, every: int = 50, warmup: int = 10, log=None) -> dict:
     """Run the soak and return its report (see the module docstring)."""
     from ..cache import FlexiCache
+    from ..config import FlexiCacheConfig
 
     dev = torch.device(device)
     if model == "tiny":
@@ -133,7 +134,8 @@ def soak(*, calls: int = 1000, model: str = "tiny", device: str = "cpu", dtype: 
     t0 = time.perf_counter()
     for call in range(warmup + calls):
         ids = torch.randint(2, vocab - 1, (batch, lengths[call % 3]), generator=gen).to(dev)
-        cache = FlexiCache(profile, page_size=page_size, token_budget=budget, rerank_interval=rerank_interval,
+        cache = FlexiCache(profile, FlexiCacheConfig(page_size=page_size, token_budget=budget,  # these knobs only,
+                                                     rerank_interval=rerank_interval),  # not the profile's settings
                            model_config=net.config)
         with torch.no_grad():
             net.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,

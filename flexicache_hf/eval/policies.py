@@ -51,6 +51,9 @@ class Policy:
     # FlexiCache only: the unstable heads' own (group_score, bound_shrink) (FlexiCacheConfig.unstable_*); None: the
     # same as the stable heads'
     unstable_scoring: tuple[str, float] | None = None
+    # FlexiCache only: FlexiCacheConfig.stagger_reranks, set here whatever that field's default (a grid's rows keep
+    # meaning what they meant when it ran)
+    stagger_reranks: bool = False
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -70,6 +73,8 @@ class Policy:
         if self.unstable_scoring is not None and self.family != "flexicache":
             raise ValueError(f"unstable_scoring applies to flexicache only (its profile has stable heads), "
                              f"not {self.family!r}")
+        if self.stagger_reranks and self.family != "flexicache":
+            raise ValueError(f"stagger_reranks applies to flexicache only, not {self.family!r}")
 
     @property
     def label(self) -> str:
@@ -83,6 +88,7 @@ class Policy:
         if self.unstable_scoring is not None:
             group, shrink = self.unstable_scoring
             forced += f"-unstable-{group}" + ("" if group == "exact" else f"-shrink{shrink:g}")
+        forced += "-stagger" if self.stagger_reranks else ""
         tag = f"-u{round(100 * self.unstable_fraction)}" + ("-random" if self.profile == "random" else "")
         if self.family == "flexicache":
             return f"flexicache-R{self.rerank_interval}{tag}{forced}@{budget}"
@@ -166,7 +172,7 @@ def make_cache(policy: Policy, model_config, context: int, profiles: ProfileSour
         cfg = FlexiCacheConfig(page_size=page_size, token_budget=budget, rerank_interval=policy.rerank_interval,
                                offload=not quest, sink_pages=policy.sink_pages, recent_pages=policy.recent_pages,
                                group_score=policy.group_score, bound_shrink=policy.bound_shrink,
-                               **_unstable_fields(policy.unstable_scoring))
+                               stagger_reranks=policy.stagger_reranks, **_unstable_fields(policy.unstable_scoring))
         return FlexiCache(prof, cfg, model_config=model_config, kernels=kernels)
     if policy.family in ("oracle", "quest-ref", "oracle-unstable"):
         cfg = FlexiCacheConfig(page_size=page_size, token_budget=budget, sink_pages=policy.sink_pages,

@@ -17,7 +17,7 @@ from transformers.cache_utils import CacheLayerMixin
 from ..config import FlexiCacheConfig
 from ..head_profile import ModelIdentity
 from ..kernels import ops_for
-from ..pages import room_pages
+from ..pages import room_capacity
 from ..rerank import Reranker, SelectionObserver
 from ..sharding import TensorParallel, kv_head_shard
 from ..tiers import tier_block, tier_pages
@@ -83,12 +83,20 @@ class FlexiCacheLayer(CacheLayerMixin):
         """The storage position of model position 0 (the schedule's; see :mod:`.schedule`)."""
         return self.state.host_origin
 
+    @property
+    def stored_end(self) -> int:
+        """The storage position after the newest token (0: no token)."""
+        return self.origin + self.seq_len if self.seq_len else 0
+
+    def grows(self, end: int) -> bool:
+        """Whether room for ``end`` tokens takes more pages than the layer holds (:meth:`grow` then re-lays it)."""
+        return self.storage.pages_for(end, self.spec.max_tokens) is not None
+
     def grow(self, end: int, host_elsewhere: int) -> None:
         """Room for ``end`` tokens (``host_elsewhere``: host bytes the cache's other layers hold)."""
         self.storage.join_copies()  # before growth re-lays the pool, and before a decode token enters a slot
         before = self.storage.page_capacity
-        stored = self.origin + self.seq_len if self.seq_len else 0
-        self.storage.ensure_capacity(end, stored, self.spec.max_tokens, host_elsewhere)
+        self.storage.ensure_capacity(end, self.stored_end, self.spec.max_tokens, host_elsewhere)
         self.reranker.fit(self.storage.page_capacity)
         if self.spec.max_tokens is not None and self.storage.page_capacity != before:
             self.mark_static()  # allocated once, at a fixed address: a captured decode step may use them
@@ -235,7 +243,7 @@ class FlexiCacheLayer(CacheLayerMixin):
         if not self.is_initialized:
             return
         index = index.to(self.storage.device).long()
-        self.storage.select_rows(index, self.origin + self.seq_len if self.seq_len else 0)
+        self.storage.select_rows(index, self.stored_end)
         self.reranker.select_rows(index)
 
     # ---- accounting -----------------------------------------------------------------------------------------
@@ -266,7 +274,7 @@ class FlexiCacheLayer(CacheLayerMixin):
             return []
         heads = H - len(shard.to_local(self.spec.unstable))
         ps, sized = self.config.page_size, self.spec.max_tokens is not None
-        pages = room_pages(end, self.spec.max_tokens, ps, 0)
+        pages = room_capacity(end, self.spec.max_tokens, ps, 0)
         if not heads or pages is None:
             return []
         pages = tier_pages(pages, key_states.device.type == "cuda", headroom=not sized)

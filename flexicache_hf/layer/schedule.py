@@ -7,7 +7,10 @@ that a captured CUDA graph of the whole forward advances it on every replay; ker
 pointers.  The host keeps a mirror (:class:`StepPlan`) of the same integers while it drives the steps itself
 (eager decode, prompt chunks), which lets the eager path skip work the schedule rules out (no re-rank due: no
 reseat).  Decode steps replayed from a graph leave the mirror behind; it is re-read from the device (one
-synchronisation) the next time the host needs it, never inside a step.
+synchronisation) the next time the host needs it, never inside a step.  Before a step it will not drive itself the
+host is told of it (:meth:`DecodeState.announce`) and counts it as run, which bounds the length from above without
+reading the device (:meth:`DecodeState.surely_fits`): the cache synchronises only when that bound says the next
+token might not fit its capacity.
 
 Positions here are **storage positions**: a token at model position ``t`` is stored at ``origin + t``, where
 ``origin = -T mod page_size`` for the first prompt chunk's ``T`` tokens, so that chunk ends on a page boundary.
@@ -57,9 +60,10 @@ class DecodeState:
     ``length`` (the storage position after this step's token, capped at ``origin + capacity``),
     ``step`` (decode steps since the last prompt chunk), ``rerank_all`` (step 0 re-ranks every head: the last
     prompt chunk was a follow-up one, whose pages no selection has seen), ``overflow`` (a step went past
-    ``capacity``: set in a graph, raised by the host).  Per step, from :meth:`advance`: ``current`` (this
-    step's index), ``pos``, ``page``, ``offset``, ``num_pages``, ``new_page``, ``page_full``.  Every tensor has
-    shape ``[1]`` and a fixed address for the cache's life.
+    ``capacity``: set in a graph, raised by the host; a backstop, since the cache refuses a step announced to it
+    before it runs, see :meth:`surely_fits`).  Per step, from :meth:`advance`: ``current`` (this step's index),
+    ``pos``, ``page``, ``offset``, ``num_pages``, ``new_page``, ``page_full``.  Every tensor has shape ``[1]`` and
+    a fixed address for the cache's life.
 
     Per layer, from :meth:`begin_layer` (each layer calls it as its step begins): ``due`` (its stable heads
     re-rank now, on the steps ``s > 0`` with ``s ≡ phase (mod R)``, and on step 0 after a follow-up chunk) and
@@ -89,6 +93,8 @@ class DecodeState:
         self.host_step = 0
         self.host_rerank_all = False
         self.stale = False  # graph replays advanced the device state past the mirror
+        self.announced = 0  # tokens of forwards announced since the mirror was last exact (counted as run)
+        self.last_announced = 0  # the newest announcement's tokens (it may run after the mirror is read)
         self.overflowed = False  # the host saw `overflow` set
         self.plan: StepPlan | None = None  # the host's plan of the step under way (eager steps)
         self.counters = DeviceCounters(self.device)
@@ -219,11 +225,30 @@ class DecodeState:
                                                             for i in range(s - tokens, s))
         self.restore(self.host_length - tokens, s - tokens if exact else 0, self.host_rerank_all if exact else True)
 
+    # ---- room for the next forward, on the host ---------------------------------------------------------
+    def announce(self, tokens: int) -> None:
+        """A forward of ``tokens`` tokens is about to run, perhaps replayed from a graph (which the host does not
+        follow): counted as run until the mirror is next read (see :meth:`surely_fits`)."""
+        self.announced = (self.announced if self.stale else 0) + tokens
+        self.last_announced = tokens
+
+    def surely_fits(self, tokens: int) -> bool:
+        """Whether ``tokens`` more tokens surely fit the capacity, known on the host (never synchronises).  While
+        graph replays keep the mirror stale, every forward announced since it was exact counts as run: an upper
+        bound of the length, so ``True`` is certain and ``False`` only means "synchronise and look again" (an
+        over-count, e.g. a step announced twice, costs a synchronisation, never a refusal).  With the mirror
+        exact, the answer is exact."""
+        if self.capacity is None:
+            return True
+        ahead = self.announced if self.stale else 0
+        return self.host_length + ahead + tokens <= self.host_origin + self.capacity
+
     def sync(self) -> None:
         """Bring the host mirror up to date after graph replays (one device synchronisation)."""
         if self.stale:  # (eager steps never pass the capacity: the host refuses them first)
             self.host_length, self.host_step = int(self.length), int(self.step)
             self.stale = False
+            self.announced = self.last_announced  # the newest announced forward may not have run yet
             self.overflowed = self.overflowed or bool(self.overflow)
         self.check()
 
@@ -242,6 +267,7 @@ class DecodeState:
         self.host_length = self.host_step = self.host_origin = 0
         self.host_rerank_all = False
         self.stale, self.overflowed, self.plan = False, False, None
+        self.announced = self.last_announced = 0
 
 
 class DeviceCounters:

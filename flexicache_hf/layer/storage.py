@@ -12,7 +12,7 @@ import torch
 
 from ..config import FlexiCacheConfig
 from ..kernels import KernelOps
-from ..pages import PagePool, PoolLayout, room_pages
+from ..pages import PagePool, PoolLayout, room_capacity
 from ..tiers import CopyStream, HostTier, SlotTable, copy_context, offload_page
 
 
@@ -85,8 +85,8 @@ class LayerStorage:
     # ---- room -------------------------------------------------------------------------------------------
     def pages_for(self, end: int, max_tokens: int | None) -> int | None:
         """The page capacity that room for ``end`` tokens takes, or None where there is room
-        (:func:`~flexicache_hf.pages.room_pages`: ``max_tokens``' when given, else grown with headroom)."""
-        return room_pages(end, max_tokens, self.config.page_size, self.page_capacity)
+        (:func:`~flexicache_hf.pages.room_capacity`: ``max_tokens``' when given, else grown with headroom)."""
+        return room_capacity(end, max_tokens, self.config.page_size, self.page_capacity)
 
     def ensure_capacity(self, end: int, stored: int, max_tokens: int | None, host_elsewhere: int) -> None:
         """Room for ``end`` tokens (:meth:`pages_for`).  ``host_elsewhere``: host bytes the cache's other layers

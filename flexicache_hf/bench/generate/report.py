@@ -46,14 +46,15 @@ def format_table(results: list[dict]) -> str:
         busy = r.get("gpu_busy_fraction")  # absent unless profiled
         lines.append(
             f"{r['case']:<12} {r['row']:<24} {num(r.get('ttft_s'), '7.2f')} {num(r.get('median_step_ms'), '8.2f')} "
-            f"{num(r.get('p99_step_ms'), '8.2f')} {num(r.get('decode_tokens_per_s'), '9.1f')} "
+            f"{num(r.get('p99_step_ms'), '8.2f')} {num(r.get('decode_tokens_per_s', r.get('tokens_per_s')), '9.1f')} "
             f"{num(r.get('peak_gpu_bytes'), '8.1f', 1e9)} {num(r.get('pinned_bytes'), '7.1f', 1e9)} "
             f"{num(r.get('median_vs_dynamic'), '8.2f')} {num(r.get('median_vs_best_static'), '10.2f')} "
             f"{num(busy, '5.0%')} {num(r.get('dynamo_graphs_added'), '7d')}")
     if best:
         lines.append("med/dyn: median step / dynamic's; med/static: median step / the best static row's ("
                      + ", ".join(f"{c}: {b}" for c, b in best.items()) + "); busy: GPU busy fraction of the "
-                     "profiled decode steps; graphs+: dynamo graphs compiled during the measured call")
+                     "profiled decode steps; graphs+: dynamo graphs compiled during the measured call; prompt-lookup rows: "
+                     "tok/s over the whole call, no step times")
     for r in searches:
         tried = ", ".join(f"{b}: {'ok' if v == 'ok' else 'fail'}"
                           for b, v in sorted(r["tried"].items(), key=lambda kv: int(kv[0])))

@@ -11,10 +11,10 @@ import time
 import torch
 
 from ...hf_compat import forward_cache_kwarg, generate_cache_kwarg
-from .clock import StepClock, summarise
+from .clock import StepClock, summarise, summarise_assisted
 from .device import (HostLimitError, cudagraph_recordings, dynamo_counts, empty_host_cache, error_record, kv_bytes,
                      pinned_stats, release)
-from .rows import attn_impl, is_compiled, is_profiled
+from .rows import attn_impl, is_compiled, is_profiled, is_user_call
 from .trace import TOP_KERNELS, gpu_busy, split_events, top_kernels
 
 WARMUP_STEPS = 4
@@ -26,10 +26,13 @@ def new_cache(row: str, model, profile, args, max_cache_len: int):
 
     from ... import FlexiCache
 
+    if row == "flexicache-unsized":
+        return FlexiCache(profile)  # the README's first example, as written
     if row.startswith("flexicache"):
         limit = int(args.host_limit_gb * 1e9) if args.host_limit_gb > 0 else None
-        return FlexiCache(profile, token_budget=args.budget, rerank_interval=args.rerank_interval,
-                          stagger_reranks=args.stagger_reranks, group_score=args.group_score,
+        stagger = {} if args.stagger_reranks is None else {"stagger_reranks": args.stagger_reranks}
+        return FlexiCache(profile, token_budget=args.budget, rerank_interval=args.rerank_interval, **stagger,
+                          group_score=args.group_score,
                           page_size=args.page_size, bound_shrink=args.bound_shrink,
                           unstable_group_score=args.unstable_group_score,
                           max_cache_len=max_cache_len, model_config=model.config, host_memory_limit=limit)
@@ -53,7 +56,7 @@ def generate_once(model, ids, row: str, args, new: int, *, profile=None, stop_af
     kw = dict(max_new_tokens=new, min_new_tokens=new if stop_after is None else None, do_sample=False,
               attention_mask=torch.ones_like(ids), logits_processor=[clock],
               stopping_criteria=StoppingCriteriaList([clock.stop]), pad_token_id=0)
-    if eager or not is_compiled(row):
+    if eager or not (is_compiled(row) or is_user_call(row)):
         kw["disable_compile"] = True
     lookup = getattr(args, "prompt_lookup", 0)
     if lookup:  # drafts are verified in multi-token forwards, which a compiled decode step does not take
@@ -67,7 +70,10 @@ def generate_once(model, ids, row: str, args, new: int, *, profile=None, stop_af
                                  f"{args.host_limit_gb:.1f}")
     model.set_attn_implementation(attn_impl(row))
     passed_in = cache is not None  # (the -reset row's: it runs on its own storage)
-    cache = cache if cache is not None else new_cache(row, model, profile, args, cache_len or ids.shape[1] + new)
+    # (a verify forward of prompt lookup may run a few drafted positions past prompt + new)
+    headroom = lookup + 1 if lookup else 0
+    cache = cache if cache is not None else new_cache(row, model, profile, args,
+                                                      cache_len or ids.shape[1] + new + headroom)
     if chunk and cache is None:
         raise RuntimeError("--static-prefill-chunk needs a StaticCache made here (this transformers' StaticCache "
                            "signature is unknown)")
@@ -87,7 +93,8 @@ def generate_once(model, ids, row: str, args, new: int, *, profile=None, stop_af
         prefill_in_chunks(model, ids, cache, chunk)
     out = model.generate(ids, **kw)
     torch.cuda.synchronize()
-    res = summarise(clock)
+    new_tokens = out.shape[1] - ids.shape[1]
+    res = summarise_assisted(clock, new_tokens, time.perf_counter()) if lookup else summarise(clock)
     # The generated tokens' digest: two runs (two versions of the code) decoded the same tokens iff it matches.
     res["tokens_sha1"] = hashlib.sha1(out[:, ids.shape[1]:].cpu().numpy().tobytes()).hexdigest()[:16]
     after = pinned_stats()
@@ -98,7 +105,8 @@ def generate_once(model, ids, row: str, args, new: int, *, profile=None, stop_af
                pinned_bytes_added=after["pinned_locked"] - before["pinned_locked"],
                pin_wait_s=after["pin_wait_s"] - before["pin_wait_s"],
                dynamo_graphs_added=graphs1 - graphs0, batch=ids.shape[0], prompt_tokens=ids.shape[1],
-               compiled=is_compiled(row) and not eager and not lookup, prefill_chunk_size=chunk or None,
+               compiled=(bool(getattr(cache, "is_compileable", False)) if is_user_call(row) else is_compiled(row))
+               and not eager and not lookup, prefill_chunk_size=chunk or None,
                prompt_lookup=lookup or None)
     if rec0 is not None and rec1 is not None and rec1 >= rec0:
         res["cudagraphs_recorded"] = rec1 - rec0  # 0: every compiled step replayed graphs recorded earlier
@@ -164,7 +172,7 @@ def run_row(model, ids, row, args, profile, warmed: set, *, again: bool = True) 
     unsupported attention) ends the row with ``{"error": ...}``; memory is freed before the next row.
     """
     results: list[tuple[str, dict]] = []
-    compiled = is_compiled(row)
+    compiled = is_compiled(row) or is_user_call(row)  # (warmed up at the measured shape)
     new = args.offloaded_tokens if row == "offloaded" else args.new_tokens
     names = (row, f"{row}-again") if again and row.startswith("flexicache") else (row,)
     current, err = row, None
