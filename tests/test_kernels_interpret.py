@@ -408,31 +408,80 @@ else:
         assert rel_err(out, want) < 1e-5
 
     # ---- reseat_slots ----------------------------------------------------------------------------------
-    @pytest.mark.parametrize("S,K", [(5, 4), (9, 8), (17, 16), (300, 260)])  # the last: the reference's path
+    ROW_KINDS = ("sorted", "shuffled", "unchanged", "all new", "holes", "empty")
+
+    def wanted_row(kind: str, resident: torch.Tensor, K: int, cap: int, g: torch.Generator) -> torch.Tensor:
+        """One (row, slot head)'s wanted pages ``[K]`` of a kind: ``sorted`` (a re-rank's: ascending, -1 padded at
+        the end, any count), ``shuffled`` (no order), ``unchanged`` (exactly the resident pages), ``all new`` (K
+        pages none of which is resident), ``holes`` (a rewind's: ascending with -1 anywhere, front included),
+        ``empty`` (all -1).  No page twice (the callers' contract)."""
+        row = torch.full((K,), -1, dtype=torch.long)
+        if kind == "unchanged":
+            have = resident[resident >= 0].sort().values[:K]
+            row[: have.numel()] = have
+            return row
+        pool = torch.randperm(cap, generator=g)
+        if kind == "all new":
+            pool = pool[~torch.isin(pool, resident)]
+        n = {"empty": 0, "all new": min(K, pool.numel())}.get(kind, int(torch.randint(0, K + 1, (1,), generator=g)))
+        pick = pool[:n]
+        if kind == "holes":
+            at = torch.randperm(K, generator=g)[:n].sort().values
+            row[at] = pick.sort().values
+        else:
+            row[:n] = pick if kind == "shuffled" else pick.sort().values
+        return row
+
+    @pytest.mark.parametrize("S,K", [(5, 4), (7, 5), (3, 1), (40, 27), (130, 128), (259, 256)])
     def test_reseat_slots_matches_reference_over_rounds(S, K):
-        """Rounds of random wanted sets (some rows unpadded, some -1 padded, some rounds predicated off): the slot
-        rows, the page table (a flat buffer with its spare entry, heads not in slot order) and the returned
-        promotions are the reference's, round after round."""
+        """Rounds of wanted rows of every kind (``wanted_row``: sorted, shuffled, unchanged, all new, with -1 holes,
+        empty; several kinds in one launch), some rounds predicated on or off: the slot rows (free slots among them),
+        the page table (a flat buffer with its spare entry, heads not in slot order, entries never written kept)
+        and the returned promotions are the reference's, round after round.  (259, 256): the product's defaults
+        (budget 2048, 8-token pages, R = 16); (130, 128): the paper's."""
         g = torch.Generator().manual_seed(S * 100 + K)
-        B, H, nT, cap = 2, 3, 2, max(40, 2 * K)
+        B, H, nT, cap = 2, 3, 2, max(40, 3 * K)
         heads = torch.tensor([2, 0])
-        phys = (1 + torch.arange(B * nT * S)).view(B, nT, S)
-        states = [(torch.full((B, nT, S), -1, dtype=torch.long),
-                   torch.zeros(B * H * cap + 1, dtype=torch.int32)) for _ in range(2)]
+        phys = (1 + torch.randperm(B * nT * S, generator=g)).view(B, nT, S)
+        table = torch.randint(0, 99, (B * H * cap + 1,), generator=g, dtype=torch.int32)
+        states = [(torch.full((B, nT, S), -1, dtype=torch.long), table.clone()) for _ in range(2)]
         for rnd in range(12):
-            wanted = torch.full((B, nT, K), -1, dtype=torch.long)
-            for b in range(B):
-                for t in range(nT):
-                    n = int(torch.randint(0, K + 1, (1,), generator=g))
-                    pick = torch.randperm(cap, generator=g)[:n]
-                    wanted[b, t, :n] = pick if rnd % 3 else pick.sort().values
-            when = None if rnd % 4 == 0 else torch.tensor([bool(rnd % 5)])
             (sp_r, tb_r), (sp_t, tb_t) = states
+            kinds = [[ROW_KINDS[(rnd + b * nT + t) % len(ROW_KINDS)] for t in range(nT)] for b in range(B)]
+            wanted = torch.stack([torch.stack([wanted_row(kinds[b][t], sp_r[b, t], K, cap - 12, g)
+                                               for t in range(nT)]) for b in range(B)])
+            when = None if rnd % 4 == 0 else torch.tensor([bool(rnd % 5)])
             want = R.reseat_slots(sp_r, wanted, phys, tb_r, heads, H, 0, when)
             got = reseat_slots(sp_t, wanted[:, :, :], phys, tb_t, heads, H, 0, when)
             assert torch.equal(sp_t, sp_r), rnd
             assert torch.equal(tb_t[:-1], tb_r[:-1]), rnd  # the spare entry is scratch
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), rnd
+            if rnd % 3 == 2:  # a new page (never wanted yet) into every row's first free slot, as decode does
+                for sp, tb in states:
+                    R.place_page(sp, phys, tb, heads, H, torch.tensor([cap - 1 - rnd]), sp.new_zeros(B, nT))
+
+    def test_reseat_slots_strided_wanted_and_the_reference_past_its_limit(monkeypatch):
+        """Wanted rows as views with strides (every other head of a selection; its page axis strided too), and rows
+        longer than ``MAX_PAGES`` (here lowered), which the reference serves: the reference's result."""
+        from flexicache_hf.kernels import slots
+
+        g = torch.Generator().manual_seed(5)
+        B, H, nT, S, K, cap = 2, 4, 2, 19, 16, 60
+        heads = torch.tensor([1, 3])
+        phys = (1 + torch.randperm(B * nT * S, generator=g)).view(B, nT, S)
+        for limit in (slots.MAX_PAGES, 8):
+            monkeypatch.setattr(slots, "MAX_PAGES", limit)
+            ref = [torch.full((B, nT, S), -1, dtype=torch.long), torch.zeros(B * H * cap + 1, dtype=torch.int32)]
+            ours = [t.clone() for t in ref]
+            for rnd in range(3):
+                sel = torch.rand(B, H, cap, generator=g).topk(K, dim=-1).indices.sort(-1).values
+                if rnd == 1:
+                    sel = sel.transpose(1, 2).contiguous().transpose(1, 2)
+                wanted = sel[:, 1::2]
+                want = R.reseat_slots(ref[0], wanted, phys, ref[1], heads, H, 0)
+                got = slots.reseat_slots(ours[0], wanted, phys, ours[1], heads, H, 0)
+                assert all(torch.equal(a, b) for a, b in zip((*got, ours[0], ours[1][:-1]),
+                                                             (*want, ref[0], ref[1][:-1]))), (limit, rnd)
 
     @pytest.mark.parametrize("S", [1, 5, 17])
     def test_place_page_matches_reference(S):
