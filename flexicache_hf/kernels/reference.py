@@ -19,7 +19,6 @@ import torch
 from ..config import GROUP_SCORES
 
 NEG_INF = float("-inf")
-MAX_SELECT_PAGES = 32768  # longest score row the Triton select holds in one program (longer rows: select_pages here)
 
 
 def host_int(x: torch.Tensor | int) -> int:

@@ -175,6 +175,43 @@ def test_select_pages_large(P, k):
     assert torch.equal(TRITON_OPS.select_pages(s, k), R.select_pages(s, k))
 
 
+def top_k_lowest_ids(s, k, n):
+    """The select's contract spelled out (ties to the lowest page ids: a stable sort); see the interpreted tests."""
+    s = s[:, :, :n].clone()
+    s[:, :, n - 1] = float("inf")
+    order = torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :, :k]
+    pages = torch.where(s.gather(-1, order) > float("-inf"), order, n).sort(-1).values
+    pages = torch.where(pages == n, -1, pages)
+    return torch.cat([pages, pages.new_full((*pages.shape[:2], k - pages.shape[-1]), -1)], -1)
+
+
+@pytest.mark.parametrize("n,width", [(2049, 16384), (2049, 2049), (16384, 16384), (2049, 131072)])
+@pytest.mark.parametrize("k", [256, 1])
+def test_select_pages_reads_only_the_live_pages(n, width, k):
+    """B=16 x 8 heads, rows reserved for a 128k (1M) context at 8-token pages and 2049 live pages (a 16k prompt): the
+    select of the live pages, with garbage past them, -inf holes and ties; in place for active heads."""
+    from flexicache_hf.kernels import reference as R
+    from flexicache_hf.kernels import TRITON_OPS
+
+    g = torch.Generator(device=DEV).manual_seed(n + width + k)
+    B, h = 16, 8
+    s = torch.randn(B, h, width, generator=g, device=DEV)
+    s[:, :, n:] = float("nan")  # a select reading past the live pages would pick these
+    s[0, 0, ::3] = float("-inf")
+    s[1, 1] = float("-inf")  # only the newest page selectable
+    live = torch.tensor([n], device=DEV)
+    got = TRITON_OPS.select_pages(s, k, num_pages=live)
+    assert torch.equal(got, R.select_pages(s, k, num_pages=live))
+    assert got[1, 1].tolist() == [n - 1] + [-1] * (k - 1)
+    s[2:5] = torch.randint(0, 4, (3, h, width), generator=g, device=DEV).float()  # ties at the threshold
+    s[2:5, :, n:] = float("inf")
+    active = torch.rand(h, generator=g, device=DEV) < 0.5
+    before = torch.full((B, h, k), 7, dtype=torch.long, device=DEV)
+    out = before.clone()
+    TRITON_OPS.select_pages(s, k, num_pages=live, active=active, out=out)
+    assert torch.equal(out, torch.where(active[None, :, None], top_k_lowest_ids(s, k, n), before))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_append_token_matches_reference_large(dtype):
     """One decode token of 64 rows x 8 heads (Llama-8B head shape) into shuffled pool rows, bit-exact."""
