@@ -26,12 +26,10 @@ from .config import FlexiCacheConfig
 from .crop import crop, undo_refused
 from .handle import CacheStateError, ForwardGuard, PagedKV
 from .head_profile import HeadProfile, resolve_profile
-from .kernels import MAX_SELECT_PAGES
 from .layer import FlexiCacheLayer, LayerSpec
 from .lengths import check_room, refuse_length
 from .layer.schedule import DecodeState, state_for_device
 from .model_check import check_served
-from .pages import room_pages
 from .stats import CacheAccounting, CacheStats
 from .tiers import check_host_limit
 from .recycling import KEEPER, storage_key
@@ -255,8 +253,7 @@ class FlexiCache(CacheAccounting, Cache):
     def is_compileable(self) -> bool:
         """Whether ``generate`` may compile (and CUDA-graph) the decode step, as for StaticCache: with a ``max_cache_len``
         (fixed addresses), the GPU kernels and no observer (told of every re-rank on the host)."""
-        return (self.max_tokens is not None and self.kernels is None and self.observer is None
-                and room_pages(self.max_tokens, self.config.page_size) <= MAX_SELECT_PAGES)
+        return self.max_tokens is not None and self.kernels is None and self.observer is None
 
     def decode_state(self, device: torch.device) -> DecodeState:
         """The step schedule all layers on ``device`` share (made for the first layer to allocate there)."""
