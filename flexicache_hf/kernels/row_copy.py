@@ -8,8 +8,9 @@ temporary and a synchronous CPU copy (measured: the dominant cost of a long pref
 ``cuMemcpy2DAsync`` (cuda-python driver API) instead moves all runs in a single call on the copy engines:
 asynchronous on the current stream, no SMs taken from the concurrent prefill, no host staging.
 
-Fallback: without cuda-python, or for layouts a 2D copy cannot express, one ``copy_(non_blocking=True)`` per
-contiguous run (still asynchronous into pinned memory).
+Fallback: without cuda-python, for layouts a 2D copy cannot express, or for host memory registered in pieces (a 2D
+copy may not cross a registration: the driver answers ``CUDA_ERROR_INVALID_VALUE``, measured on the H200), one
+``copy_(non_blocking=True)`` per contiguous run (still asynchronous into pinned memory).
 """
 
 from __future__ import annotations
@@ -82,7 +83,11 @@ class RowCopier:
         p.WidthInBytes, p.Height = T * D * dst.element_size(), B * H
         stream = driver.CUstream(torch.cuda.current_stream(cuda[0]).cuda_stream)
         (err,) = driver.cuMemcpy2DAsync(p, stream)
-        if err != driver.CUresult.CUDA_SUCCESS:
+        if err == driver.CUresult.CUDA_ERROR_INVALID_VALUE:
+            # The rows span host memory registered in pieces (a block the driver would not page-lock whole,
+            # host_memory.py): one 2D copy may not cross a registration, a run never does (pieces are whole runs).
+            self._per_run(dst, src)
+        elif err != driver.CUresult.CUDA_SUCCESS:
             self.unavailable = f"cuMemcpy2DAsync failed: {err}"
             warnings.warn(f"FlexiCache: {self.unavailable}; host-tier row copies fall back to one copy per row")
             self._per_run(dst, src)
