@@ -12,7 +12,7 @@ from .config import ConfigError, FlexiCacheConfig
 from .head_profile import HeadProfile, ModelIdentity, ProfileError, resolve_profile
 from .recycling import kept_storage_bytes, release_storage
 from .rerank import RerankEvent, SelectionObserver
-from .tiers import HostMemoryError
+from .host_memory import HostMemoryError
 
 _register()
 

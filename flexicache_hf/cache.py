@@ -21,21 +21,32 @@ import weakref
 import torch
 from transformers.cache_utils import Cache
 
+from .block_keeper import BLOCKS
 from .config import FlexiCacheConfig
 from .crop import crop, undo_refused
 from .handle import CacheStateError, ForwardGuard, PagedKV
 from .head_profile import HeadProfile, resolve_profile
-from .kernels import MAX_SELECT_PAGES
 from .layer import FlexiCacheLayer, LayerSpec
 from .lengths import check_room, refuse_length
 from .layer.schedule import DecodeState, state_for_device
 from .model_check import check_served
-from .pages import room_pages
 from .stats import CacheAccounting, CacheStats
 from .tiers import check_host_limit
 from .recycling import KEEPER, storage_key
 from .settings import resolve_settings
 from .rerank import SelectionObserver
+
+
+def plan_host(layers: list, end: int, key_states: torch.Tensor, tp_size: int | None, limit: int | None) -> None:
+    """At the first layer's update: refuse (HostMemoryError) a forward whose host tiers, every layer's once grown for
+    ``end`` tokens (a layer before its first forward: predicted from these states), would pass ``limit``
+    (``host_memory_limit``); on CUDA, start page-locking the blocks the layers will take, in layer order, while the
+    layers before them compute (:meth:`~flexicache_hf.block_keeper.BlockKeeper.prefetch`)."""
+    plans = [layer.host_plan(end, key_states, tp_size) for layer in layers]
+    check_host_limit(sum(sum(n for n, _ in plan) if plan else layer.host_bytes() for layer, plan in zip(layers, plans)),
+                     limit)
+    if key_states.device.type == "cuda" and any(plans):
+        BLOCKS.prefetch([block for plan in plans for block in plan], key_states.device)
 
 
 class FlexiCache(CacheAccounting, Cache):
@@ -146,7 +157,7 @@ class FlexiCache(CacheAccounting, Cache):
         start, T = layer.seq_len, key_states.shape[2]
         self.check_length(start + T)
         if layer_idx == 0:  # every layer's host tier, before any layer grows
-            check_host_limit(sum(each.host_bytes_for(start + T) for each in self.layers), self.config.host_memory_limit)
+            plan_host(self.layers, start + T, key_states, self.tp_size, self.config.host_memory_limit)
         # (room only: the tokens stay as they are; the other layers' host bytes are summed only when it grows)
         layer.grow(start + T, self.host_bytes() - layer.host_bytes() if layer.grows(start + T) else 0)
         self.guard.begin(layer_idx, "update", empty=start == 0)  # validated: from here on storage changes
@@ -242,8 +253,7 @@ class FlexiCache(CacheAccounting, Cache):
     def is_compileable(self) -> bool:
         """Whether ``generate`` may compile (and CUDA-graph) the decode step, as for StaticCache: with a ``max_cache_len``
         (fixed addresses), the GPU kernels and no observer (told of every re-rank on the host)."""
-        return (self.max_tokens is not None and self.kernels is None and self.observer is None
-                and room_pages(self.max_tokens, self.config.page_size) <= MAX_SELECT_PAGES)
+        return self.max_tokens is not None and self.kernels is None and self.observer is None
 
     def decode_state(self, device: torch.device) -> DecodeState:
         """The step schedule all layers on ``device`` share (made for the first layer to allocate there)."""

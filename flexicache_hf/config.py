@@ -43,8 +43,9 @@ class FlexiCacheConfig:
         offload: keep only the top-K pages of stable heads on the accelerator and every page in (pinned)
             host memory.  ``False`` keeps every page on the device (sparse compute only, like Quest).
         host_memory_limit: cap in bytes on the host tier of one cache (``None``: no cap), counting what the
-            pinned allocator holds (each layer's K and V block rounded up to a power of two).  Exceeding it
-            raises :class:`~flexicache_hf.tiers.HostMemoryError` before anything is written.
+            tiers hold: exactly their pages with ``max_cache_len``, else the coarser steps a growing pinned tier
+            takes (:func:`~flexicache_hf.pages.host_capacity`).  Exceeding it raises
+            :class:`~flexicache_hf.HostMemoryError` before anything is written.
         sink_pages: the first pages (attention sinks) every re-rank keeps, inside the budget.  0 = the paper.
         recent_pages: the newest pages every re-rank keeps, inside the budget (the page being appended to is
             always kept).  0 = the paper.  Small models lean on local context that the min/max bound can miss.

@@ -48,6 +48,31 @@ def grown_capacity(needed_pages: int, current: int) -> int:
     return needed_pages + max(needed_pages // 16, 8)
 
 
+def room_capacity(end: int, max_tokens: int | None, page_size: int, current: int) -> int | None:
+    """The page capacity a layer holding ``current`` pages takes to make room for ``end`` tokens
+    (:func:`room_pages`), or None where there is room: ``max_tokens``' (``max_cache_len``) when given, else grown
+    with headroom (:func:`grown_capacity`, amortised O(1) per token).  The one rule for a layer's pages: its storage
+    grows by it, and the host tiers' bytes are planned by it before any layer grows."""
+    need = room_pages(end, page_size)
+    if need <= current:
+        return None
+    return room_pages(max_tokens, page_size) if max_tokens is not None else grown_capacity(need, current)
+
+
+def host_capacity(pages: int) -> int:
+    """Pages the pinned host tier of a growing cache takes for a layer of ``pages``: rounded up to a step of four per
+    doubling (``m * 2**e`` with ``m`` in 4..7; at most 25 % more, ~12 % on average).
+
+    Page-locking costs far more than allocating device memory, and each growth pins the whole tier anew and copies it,
+    so the host tier grows in coarser steps than the device pool (:func:`grown_capacity`'s 1/16); and caches of nearby
+    lengths take the same size, which the keeper of page-locked blocks hands on (:mod:`flexicache_hf.host_memory`).
+    A sized cache (``max_cache_len``) takes exactly what it needs."""
+    if pages <= 4:
+        return pages
+    step = 1 << ((pages - 1).bit_length() - 3)  # 4 * step < pages <= 8 * step
+    return -(-pages // step) * step
+
+
 @dataclass(frozen=True)
 class PoolLayout:
     """Where each (sequence, KV head, page) lives in the pool.  Integers only."""

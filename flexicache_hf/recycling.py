@@ -16,6 +16,11 @@ then ``generate``) holds one cache's storage at a time, as it did without recycl
 frees it at once.  A cache with an observer (not compileable) or one that never ran a forward leaves nothing, and
 kept storage is not handed on while anything outside still holds one of its layers (someone kept
 ``cache.layers[i]``).
+
+Page-locked host blocks are kept one level down, by :data:`flexicache_hf.block_keeper.BLOCKS`: storage freed here
+(another cache's first forward, ``release_storage()``), like any tier that grows or dies, gives its blocks back
+there, and the next tier of a block's size takes it without page-locking anew.  ``release_storage()`` and
+``kept_storage_bytes()`` cover both.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from __future__ import annotations
 import sys
 import threading
 from dataclasses import dataclass
+
+from .block_keeper import BLOCKS
 
 
 @dataclass(frozen=True)
@@ -95,11 +102,16 @@ KEEPER = StorageKeeper()  # one per process, like torch's caching allocators: ke
 
 
 def release_storage() -> int:
-    """Free the device and pinned host memory FlexiCache keeps from the last dropped sized cache (for the next cache
-    of the same shape, see :mod:`flexicache_hf.recycling`); returns the bytes it held."""
-    return KEEPER.release()
+    """Free the device and pinned host memory FlexiCache keeps for later caches: the last dropped sized cache's storage
+    (for the next cache of the same shape, see :mod:`flexicache_hf.recycling`) and the page-locked blocks no cache
+    holds (:mod:`flexicache_hf.block_keeper`); returns the bytes they held."""
+    held = kept_storage_bytes()
+    KEEPER.release()  # its host tiers give their blocks back to BLOCKS as they go
+    BLOCKS.release()
+    return held
 
 
 def kept_storage_bytes() -> int:
-    """Bytes of device and pinned host memory kept from the last dropped sized cache."""
-    return KEEPER.held_bytes()
+    """Bytes of device and pinned host memory kept for later caches: the last dropped sized cache's storage and the
+    page-locked blocks no cache holds."""
+    return KEEPER.held_bytes() + BLOCKS.kept_bytes()

@@ -10,7 +10,8 @@ on CUDA, so copies are asynchronous and kernels can read it through UVA).  The d
   are loaded from the host tier (the paper's physical block reuse); nothing else moves.
 
 Copies run on a low-priority side stream on CUDA; the compute stream waits on an event before it reads,
-never on the host.
+never on the host.  The pinned memory itself comes from :mod:`flexicache_hf.block_keeper` (exact sizes, pinned by
+several threads, kept for the next tier of the same size).
 """
 
 from __future__ import annotations
@@ -20,16 +21,11 @@ import weakref
 
 import torch
 
+from .block_keeper import BLOCKS
+from .host_memory import HostMemoryError, format_bytes  # noqa: F401  (HostMemoryError: re-exported)
 from .kernels import KernelOps
 from .kernels.reference import set_table_entries
-from .pages import NULL_PAGE, PagePool, token_spans
-
-
-def format_bytes(n: int) -> str:
-    """``n`` bytes for a message: exact below 1 MiB (a small limit must not read as 0.0 MiB), else MiB."""
-    if n < 2**20:
-        return "1 byte" if n == 1 else f"{n:,} bytes"
-    return f"{n / 2**20:.1f} MiB"
+from .pages import NULL_PAGE, PagePool, host_capacity, token_spans
 
 
 def cuda_alias(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -51,18 +47,29 @@ def cuda_alias(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return alias.view(t.dtype)
 
 
-class HostMemoryError(MemoryError):
-    """The host tier cannot grow: over ``FlexiCacheConfig.host_memory_limit`` or pinned allocation failed."""
-
-
-def check_host_limit(need: int, limit: int | None, rounded: bool = False) -> None:
+def check_host_limit(need: int, limit: int | None) -> None:
     """Refuse (HostMemoryError) host tiers that would hold ``need`` bytes over ``limit`` (host_memory_limit)."""
     if limit is not None and need > limit:
-        note = " (pinned blocks are rounded up to a power of two)" if rounded else ""
         raise HostMemoryError(
-            f"the host tier would need {format_bytes(need)}{note}, over host_memory_limit={format_bytes(limit)}; "
+            f"the host tier would need {format_bytes(need)}, over host_memory_limit={format_bytes(limit)}; "
             "raise the limit, shorten the prompt, or use FlexiCacheConfig(offload=False) to keep every page on the "
             "device")
+
+
+def tier_pages(pages: int, pinned: bool, headroom: bool) -> int:
+    """Pages a host tier takes for a layer of ``pages``: exactly those, or, pinned and growing (``headroom``: no
+    ``max_cache_len``), rounded up to a coarser step (:func:`~flexicache_hf.pages.host_capacity`)."""
+    return host_capacity(pages) if pinned and headroom else pages
+
+
+def tier_block(batch: int, heads: int, page_size: int, head_dim: int, dtype: torch.dtype, pages: int
+               ) -> tuple[int, int]:
+    """``(bytes, run)`` of one of K / V of a host tier of ``pages`` pages per (row, head): its size, and the bytes of
+    one page of one (row, head), the unit the page-major tier is laid out in (flat page ``(p * B + b) * heads + h``):
+    every row of the tier's 2D copies and every page a copy kernel moves lies within one, and page-locking never
+    splits one across registrations."""
+    run = page_size * head_dim * dtype.itemsize
+    return pages * batch * heads * run, run
 
 
 class CopyStream:
@@ -109,14 +116,16 @@ class CopyStream:
 
 class HostTier:
     """Every token of the offloaded heads of one layer, page-major: ``[page_capacity, B, heads, page_size, D]``
-    (growth appends pages after the ones held; flat page ``(p * B + b) * heads + h``, see :meth:`page_index`).
+    (a grown tier holds the old one as its prefix, copied as is; flat page ``(p * B + b) * heads + h``, see
+    :meth:`page_index`, whatever the capacity).
 
-    On CUDA the tier is pinned memory from torch's caching host allocator: a later cache of the same shape
-    in the process reuses the blocks (no new page-locking, the dominant cost of a first long prefill).  The
-    allocator rounds every block up to a power of two; the tier takes the pages that fit in the rounded
-    block, so the rounding buys headroom instead of wasting it.  Nothing is zeroed: positions never
-    written are never read (the kernels mask every token by position, and exact-attention reads stop at
-    the sequence length).
+    On CUDA K and V are each one page-locked block of exactly their size (:data:`~flexicache_hf.block_keeper.BLOCKS`):
+    a later cache of the same shape in the process takes the blocks this one gives back (no new page-locking, the
+    dominant cost of a first long prefill).  A growing cache's pinned tier grows in coarse steps
+    (:func:`tier_pages`); a sized one, and every tier off CUDA (pageable torch memory), holds exactly what it needs.
+    What the tier holds is what :meth:`nbytes` counts against ``host_memory_limit``.  Nothing is zeroed: positions
+    never written are never read (the kernels mask every token by position, and exact-attention reads stop at the
+    sequence length).
     """
 
     def __init__(self, batch: int, heads: int, page_size: int, head_dim: int, dtype: torch.dtype,
@@ -129,8 +138,9 @@ class HostTier:
         self.page_capacity = 0
         self.k = self.v = None
         self.k_dev = self.v_dev = None  # CUDA aliases of the pinned k / v (see device_pages)
-        # The pinned blocks go back to torch's allocator when this tier dies, to be reused by the next cache;
-        # cuda-python copies queued here are invisible to that allocator, so let them finish first.
+        # The pinned blocks go back to their keeper when the last view of them dies, to be lent to the next tier;
+        # cuda-python copies queued here are invisible to torch, so they finish first (this runs before the tier's
+        # tensors are released).
         weakref.finalize(self, copies.synchronize)
 
     def nbytes(self) -> int:
@@ -145,62 +155,58 @@ class HostTier:
         # Deep copies and unpickled tensors come back in pageable memory; the UVA copy kernels need pinned memory.
         self.__dict__.update(state)
         weakref.finalize(self, self.copies.synchronize)  # as in __init__ (a copy is made without it)
-        if self.compute_device.type == "cuda":
-            for name, t in list(vars(self).items()):
-                if isinstance(t, torch.Tensor) and t.device.type == "cpu" and not t.is_pinned():
-                    setattr(self, name, t.pin_memory())
-            if self.k is not None:
-                self._set(self.k, self.v)
+        if self.pinned and self.k is not None:
+            k, v = self._alloc(*self.k.shape[:2]), self._alloc(*self.v.shape[:2])  # [pages, B, ...]
+            k.copy_(self.k)
+            v.copy_(self.v)
+            self._set(k, v)
 
-    def _bytes(self, page_capacity: int) -> int:
-        """Bytes of one of K / V at ``page_capacity`` pages."""
-        elt = torch.finfo(self.dtype).bits // 8
-        return self.batch * self.heads * page_capacity * self.page_size * self.head_dim * elt
+    def _block(self, page_capacity: int, batch: int | None = None) -> tuple[int, int]:
+        """``(bytes, run)`` of one of K / V at ``page_capacity`` pages (:func:`tier_block`)."""
+        batch = self.batch if batch is None else batch
+        return tier_block(batch, self.heads, self.page_size, self.head_dim, self.dtype, page_capacity)
 
-    def _held(self, page_capacity: int) -> int:
-        """Host bytes one of K / V at ``page_capacity`` pages takes: pinned, the allocator's block (its size
-        rounded up to a power of two), whatever part of it the tier uses."""
-        n = self._bytes(page_capacity)
-        return 1 << (n - 1).bit_length() if self.pinned and n > 0 else n
-
-    def capacity_for(self, page_capacity: int) -> int:
-        """Pages to allocate for a need of ``page_capacity``: all that fit in the allocator's rounded block."""
-        if not self.pinned:
-            return page_capacity
-        return max(page_capacity, self._held(page_capacity) // self._bytes(1))
+    def capacity_for(self, page_capacity: int, headroom: bool = False) -> int:
+        """Pages to allocate for a need of ``page_capacity`` (``headroom``: the cache grows; see :func:`tier_pages`)."""
+        return tier_pages(page_capacity, self.pinned, headroom)
 
     def _alloc(self, page_capacity: int, batch: int | None = None) -> torch.Tensor:
+        """An uninitialised ``[page_capacity, batch, heads, page_size, D]`` tier tensor: a page-locked block lent by
+        :data:`~flexicache_hf.block_keeper.BLOCKS` on CUDA, pageable memory elsewhere (HostMemoryError on failure)."""
         batch = self.batch if batch is None else batch
         shape = (page_capacity, batch, self.heads, self.page_size, self.head_dim)
+        n, run = self._block(page_capacity, batch)
+        if self.pinned:  # an exact-size page-locked block (HostMemoryError when it cannot be had)
+            return BLOCKS.acquire(n, run, self.compute_device).view(self.dtype).view(shape)
         try:
-            return torch.empty(shape, dtype=self.dtype, pin_memory=self.pinned)
-        except (RuntimeError, MemoryError) as e:  # pinned memory is a finite OS resource
-            what = "pinned" if self.pinned else "host"
-            n = self._bytes(page_capacity) * batch // self.batch
-            raise HostMemoryError(f"allocating {format_bytes(n)} of {what} memory failed: {e}") from e
+            return torch.empty(shape, dtype=self.dtype)
+        except (RuntimeError, MemoryError) as e:
+            raise HostMemoryError(f"allocating {format_bytes(n)} of host memory failed: {e}") from e
 
-    def bytes_for(self, page_capacity: int) -> int:
-        """Host bytes (K and V) this tier holds once grown to ``page_capacity`` pages."""
+    def blocks_for(self, page_capacity: int, headroom: bool = False) -> list[tuple[int, int]]:
+        """The ``(bytes, run)`` of the K and V blocks ``grow(page_capacity, headroom=headroom)`` would allocate
+        (``[]``: it holds enough, or it has no heads)."""
         if page_capacity <= self.page_capacity or self.heads == 0:
-            return self.nbytes()
-        return 2 * self._held(self.capacity_for(page_capacity))
+            return []
+        return [self._block(self.capacity_for(page_capacity, headroom))] * 2
 
-    def check_grow(self, page_capacity: int, other: int = 0) -> int:
+    def bytes_for(self, page_capacity: int, headroom: bool = False) -> int:
+        """Host bytes (K and V) this tier holds once grown to ``page_capacity`` pages."""
+        blocks = self.blocks_for(page_capacity, headroom)
+        return sum(n for n, _ in blocks) if blocks else self.nbytes()
+
+    def check_grow(self, page_capacity: int, other: int = 0, headroom: bool = False) -> int:
         """The capacity ``grow(page_capacity)`` would allocate; raises HostMemoryError, changing nothing,
         when it would exceed ``host_memory_limit`` beside the ``other`` host bytes the cache's other layers hold."""
         if page_capacity <= self.page_capacity or self.heads == 0:
             return self.page_capacity
-        cap = self.capacity_for(page_capacity)
-        # The cap counts what the allocator holds: a pinned block is the rounded one even when the tier asks
-        # for fewer pages, so the rounding is counted (and used as headroom) whether or not a cap is set.
-        check_host_limit(2 * self._held(cap) + other, self.limit_bytes,
-                         rounded=self.pinned and self._held(cap) > self._bytes(page_capacity))
-        return cap
+        check_host_limit(self.bytes_for(page_capacity, headroom) + other, self.limit_bytes)
+        return self.capacity_for(page_capacity, headroom)
 
-    def grow(self, page_capacity: int, other: int = 0) -> None:
+    def grow(self, page_capacity: int, other: int = 0, headroom: bool = False) -> None:
         """Hold at least ``page_capacity`` pages, keeping every stored token (one copy of the old tier); ``other``:
-        the host bytes the cache's other layers hold (the cap is the cache's)."""
-        cap = self.check_grow(page_capacity, other)
+        the host bytes the cache's other layers hold (the cap is the cache's); ``headroom``: the cache grows."""
+        cap = self.check_grow(page_capacity, other, headroom)
         if cap <= self.page_capacity:
             return
         k = self._alloc(cap)
@@ -209,7 +215,7 @@ class HostTier:
             self.copies.synchronize()  # queued offloads still write the old tier
             k[: self.page_capacity].copy_(self.k)  # page-major: the old tier is the new one's prefix
             v[: self.page_capacity].copy_(self.v)
-        self._set(k, v)
+        self._set(k, v)  # the old blocks go back to their keeper (nothing else views them)
         self.page_capacity = cap
 
     def _set(self, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -88,7 +88,7 @@ def test_host_tier_rows_growth_and_row_selection():
     assert t.batch == 3 and torch.equal(again[0], out_k[[1, 1, 0]])
 
 
-def test_host_tier_limit_refused_without_change_and_rounding_only_when_pinned():
+def test_host_tier_limit_refused_without_change_and_exact_sizes():
     t = tier(limit=2 * 2 * 3 * 5 * 4 * 8 * 4)  # exactly 5 pages of K and V
     t.grow(5)
     with pytest.raises(Exception, match="host_memory_limit"):
@@ -96,12 +96,17 @@ def test_host_tier_limit_refused_without_change_and_rounding_only_when_pinned():
     assert t.page_capacity == 5 and t.k.shape[0] == 5
     with pytest.raises(Exception, match="host_memory_limit"):  # the other layers' bytes count against the cap
         tier(limit=2 * 2 * 3 * 5 * 4 * 8 * 4).grow(4, 2 * 2 * 3 * 2 * 4 * 8 * 4)  # 4 pages here, 2 elsewhere
-    assert tier().capacity_for(5) == 5  # unpinned: no allocator rounding, exact capacity
-    pinned = tier()
-    pinned.pinned = True
-    per_page = 2 * 3 * 4 * 8 * 4  # bytes of one page of K for every row and head
-    assert pinned.capacity_for(5) == 5  # 3,840 bytes round to 4,096: no whole page more fits
-    assert pinned.capacity_for(6) == 8192 // per_page == 10  # 4,608 bytes round to 8,192
+    for pinned in (False, True):  # no allocator rounding either way: a sized cache's tier is exactly its pages
+        t = tier()
+        t.pinned = pinned
+        assert [t.capacity_for(n) for n in (5, 6, 9, 1000)] == [5, 6, 9, 1000]
+        # (bytes, run): the run is one page of one (row, head), the page-major tier's unit
+        assert t.bytes_for(6) == 2 * 6 * 2 * 3 * 4 * 8 * 4 and t.blocks_for(6) == [(6 * 768, 4 * 8 * 4)] * 2
+    unpinned, pinned = tier(), tier()
+    pinned.pinned = True  # a growing cache's pinned tier takes coarse steps (page-locking is dear); pageable: exact
+    assert [unpinned.capacity_for(n, headroom=True) for n in (9, 1000, 1025)] == [9, 1000, 1025]
+    assert [pinned.capacity_for(n, headroom=True) for n in (9, 1000, 1025)] == [10, 1024, 1280]
+    assert pinned.bytes_for(9, headroom=True) == 2 * 10 * 768
 
 
 def test_pipeline_sizes_the_cache_and_refuses_a_call_beyond_the_context_up_front():
@@ -122,17 +127,18 @@ def test_pipeline_sizes_the_cache_and_refuses_a_call_beyond_the_context_up_front
         pipe(prompt, max_new_tokens=30, do_sample=False)  # 40 + 30 > 64: refused before the prefill
 
 
-def test_pinned_tier_counts_the_allocators_rounded_block_against_the_cap():
+def test_pinned_tier_counts_exact_bytes_against_the_cap():
     per_page = 2 * 3 * 4 * 8 * 4  # bytes of one page of K for every row and head (768)
-    # 6 pages need 2 x 4,608 bytes; torch's pinned allocator holds 2 x 8,192 for them (its blocks are powers of two)
-    for limit, fits in ((2 * 8192, True), (2 * 8192 - 1, False), (2 * 6 * per_page, False)):
+    for limit, headroom, fits in ((2 * 9 * per_page, False, True), (2 * 9 * per_page - 1, False, False),
+                                  (2 * 9 * per_page, True, False), (2 * 10 * per_page, True, True)):
         t = tier(limit=limit)
         t.pinned = True
-        if fits:
-            assert t.check_grow(6) == 8192 // per_page == 10  # the whole block is used as headroom
+        if fits:  # 9 pages: exactly 9 (sized), or the 10 of the growing tier's step (host_capacity)
+            assert t.check_grow(9, headroom=headroom) == (10 if headroom else 9)
             continue
-        with pytest.raises(HostMemoryError, match=r"need 16,384 bytes \(pinned blocks are rounded up to a power of two\)"):
-            t.grow(6)
+        with pytest.raises(HostMemoryError, match=r"need [0-9,]+ bytes, over host_memory_limit") as err:
+            t.grow(9, headroom=headroom)
+        assert "rounded" not in str(err.value)
         assert t.page_capacity == 0 and t.k is None  # refused before anything was allocated
 
 

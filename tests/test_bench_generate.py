@@ -80,6 +80,34 @@ def test_fit_prompt_and_kv_bytes():
     assert kv_bytes(cfg, 16, 30720) == pytest.approx(64.4e9, rel=0.01)
 
 
+def test_flexicache_rows_take_the_profile_settings_and_the_flags_on_top():
+    """Unset flags leave the profile's settings (the README call's), set ones override single fields;
+    ``flexicache-paper`` is ``FlexiCacheConfig.paper()`` with the flags on top."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+
+    from flexicache_hf import FlexiCache, FlexiCacheConfig
+    from flexicache_hf.bench.generate.run import new_cache
+
+    cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072)
+    model = SimpleNamespace(config=cfg)
+    readme = FlexiCache("Llama-3.1-8B-Instruct")
+    args = build_parser().parse_args(["--host-limit-gb", "0"])
+    graph = new_cache("flexicache-graph", model, "Llama-3.1-8B-Instruct", args, 1000)
+    assert graph.config == readme.config and graph.profile == readme.profile and graph.max_tokens == 1000
+    unsized = new_cache("flexicache-unsized", model, "Llama-3.1-8B-Instruct", args, 1000)
+    assert unsized.config == readme.config and unsized.max_tokens is None
+    args = build_parser().parse_args("--host-limit-gb 0 --budget 1024 --page-size 16".split())
+    graph = new_cache("flexicache-graph", model, "Llama-3.1-8B-Instruct", args, 1000)
+    assert (graph.config.token_budget, graph.config.page_size) == (1024, 16)
+    assert graph.config.group_score == readme.config.group_score
+    paper = new_cache("flexicache-paper", model, "Llama-3.1-8B-Instruct", args, 1000)
+    assert paper.config == FlexiCacheConfig.paper(token_budget=1024, page_size=16)
+    assert paper.is_compileable
+
+
 def test_cli_flags_and_defaults():
     """The flags a recorded command line uses, with the defaults runs were measured at (``meta["args"]``)."""
     from pathlib import Path
@@ -87,9 +115,10 @@ def test_cli_flags_and_defaults():
     args = vars(build_parser().parse_args([]))
     assert args == {
         "model": "llama8b", "gguf": None, "task": "text", "cases": "1x16384,16x16384,16x30720",
-        "rows": "dynamic,static,offloaded,flexicache,flexicache-graph,flexicache-unsized", "static_variants": "sdpa",
-        "static_prefill_chunk": 0, "prefill_chunk": 0, "new_tokens": 256, "prompt_lookup": 0, "offloaded_tokens": 16, "budget": 1024,
-        "rerank_interval": 16, "stagger_reranks": None, "group_score": "max", "page_size": 16, "bound_shrink": 1.0,
+        "rows": "dynamic,static,offloaded,flexicache,flexicache-graph,flexicache-unsized,flexicache-paper",
+        "static_variants": "sdpa", "static_prefill_chunk": 0, "prefill_chunk": 0, "new_tokens": 256, "prompt_lookup": 0,
+        "offloaded_tokens": 16, "budget": None, "rerank_interval": None, "stagger_reranks": None, "group_score": None,
+        "page_size": None, "bound_shrink": None,
         "unstable_group_score": None, "unstable_fraction": None, "profile_steps": 0, "largest_batch": None,
         "probe_tokens": 16, "probe_start": 16, "probe_step": 8, "max_probes": 8, "probe_compiled": False,
         "host_limit_gb": None, "followup": False, "followup_tokens": 512, "followup_repeats": 5,

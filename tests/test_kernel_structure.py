@@ -52,3 +52,16 @@ def test_prompt_minmax_reduces_in_registers_with_wide_independent_loads():
     wide = re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32", ptx)
     assert len(wide) >= UNROLL_TOKENS  # every token of a group: one 16-byte load per thread, all independent
     assert "st.global.v4.b32" in ptx  # the folded MinMax rows are written 16 bytes at a time
+
+
+def test_select_is_one_kernel_for_every_width_without_spills():
+    """The select walks a row's live pages in blocks: rows reserved for 16k or 128k pages launch the kernel of a 2k
+    row (the old in-register select spilled at 16k), with no local-memory spills."""
+    from flexicache_hf.kernels.select import _select_pages_kernel, launch_config
+
+    assert launch_config(2049) == launch_config(16384) == launch_config(131072) == (1024, 8)
+    assert launch_config(40) == (64, 1)
+    sig = {"scores_ptr": "*fp32", "out_ptr": "*i64", "num_pages_ptr": "*i64", "active_ptr": "*i1", "K": "i32",
+           "h": "i32", "s_sr": "i32", "BLOCK": "constexpr", "BLOCK_K": "constexpr"}
+    ptx = ptx_of(_select_pages_kernel, sig, {"BLOCK": 1024, "BLOCK_K": 256}, num_warps=8, aligned=("s_sr",))
+    assert ".local" not in ptx  # every block's keys, the histogram and the prefix sums stay in registers / shared

@@ -119,7 +119,7 @@ else:
     from flexicache_hf.kernels.minmax import minmax_update
     from flexicache_hf.kernels.page_lse import page_lse
     from flexicache_hf.kernels.scores import page_scores
-    from flexicache_hf.kernels.select import select_pages, select_pages_triton
+    from flexicache_hf.kernels.select import select_pages
     from flexicache_hf.kernels.slots import place_page, reseat_slots
     from flexicache_hf.kernels.sparse_decode import sparse_decode
 
@@ -254,17 +254,19 @@ else:
 
     @pytest.mark.parametrize("combine", ["max", "mass"])
     def test_page_scores_device_count_and_active_heads(combine):
-        """The decode step's form: the page count read on the device, every head, only the due ones scored."""
+        """The decode step's form: the page count read on the device, every head, only the due ones scored; with
+        4-page blocks, programs wholly past the count (10 live pages of 15) store -inf."""
         q, kmin, kmax, n = decode_step_scores_inputs(4)
         B, H, cap = kmin.shape[0], kmin.shape[1], kmin.shape[2]
         active = torch.tensor([True, False, True, False])
-        ours = page_scores(q, kmin, kmax, torch.arange(H), n, active, combine)
         ref = R.page_scores(q, kmin, kmax, torch.arange(H), n, active, combine)
-        assert ours.shape == ref.shape == (B, H, cap)
-        assert torch.equal(torch.isneginf(ours), torch.isneginf(ref))
-        assert bool(torch.isneginf(ours[:, ~active]).all()) and bool(torch.isneginf(ours[:, :, int(n):]).all())
-        fin = torch.isfinite(ref)
-        torch.testing.assert_close(ours[fin], ref[fin], rtol=1e-5, atol=1e-4)
+        for block_p in (None, 4):
+            ours = page_scores(q, kmin, kmax, torch.arange(H), n, active, combine, block_p=block_p)
+            assert ours.shape == ref.shape == (B, H, cap)
+            assert torch.equal(torch.isneginf(ours), torch.isneginf(ref))
+            assert bool(torch.isneginf(ours[:, ~active]).all()) and bool(torch.isneginf(ours[:, :, int(n):]).all())
+            fin = torch.isfinite(ref)
+            torch.testing.assert_close(ours[fin], ref[fin], rtol=1e-5, atol=1e-4)
 
     def test_rerank_with_a_rule_per_kind_of_head_matches_reference():
         """The Reranker's split scoring (unstable heads by the full bound's group maximum, stable ones by the mass
@@ -287,21 +289,65 @@ else:
         torch.testing.assert_close(ours[fin], ref[fin], rtol=1e-5, atol=1e-4)
         assert torch.equal(ours_sel, ref_sel)
 
+    # ---- select_pages ----------------------------------------------------------------------------------
+    def top_k_lowest_ids(s, k, n):
+        """The contract spelled out: rows cut to their ``n`` live pages, the newest forced, the ``k`` best scores
+        with ties to the lowest page ids (a stable sort), ``-inf`` never returned, ascending, ``-1`` padded."""
+        s = s[:, :, :n].clone()
+        s[:, :, n - 1] = float("inf")
+        order = torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :, :k]
+        pages = torch.where(s.gather(-1, order) > float("-inf"), order, n).sort(-1).values
+        pages = torch.where(pages == n, -1, pages)
+        return torch.cat([pages, pages.new_full((*pages.shape[:2], k - pages.shape[-1]), -1)], -1)
+
+    def select_rows(kind, B, h, width, n, seed):
+        """Scores of ``kind`` with -inf holes, one row with only the newest page selectable, and past the ``n``
+        live pages what a kernel reading there would select (NaN, +inf)."""
+        g = torch.Generator().manual_seed(seed)
+        if kind == "ties":  # three values: the threshold falls inside a run of ties
+            s = torch.randint(0, 3, (B, h, width), generator=g).float()
+        elif kind == "low bits":  # keys that differ in the last digit only: every radix pass runs
+            s = 1.0 + torch.randint(0, 40, (B, h, width), generator=g).float() * 2.0 ** -23
+        else:
+            s = torch.randn(B, h, width, generator=g)
+        s[0, 0, ::3] = float("-inf")
+        s[B - 1, h - 1] = float("-inf")
+        s[:, 0, n:] = float("nan")
+        s[:, 1:, n:] = float("inf")
+        return s
+
+    @pytest.mark.parametrize("n,width,k,kind", [
+        (23, 97, 8, "randn"), (10, 160, 4, "ties"), (37, 148, 40, "low bits"), (16, 256, 1, "randn"),
+        (1, 16, 4, "randn"), (50, 200, 16, "ties"), (33, 132, 33, "low bits")])
+    def test_select_pages_reads_only_the_live_pages(n, width, k, kind):
+        """Rows reserved 4-16x wider than their live pages (garbage past them), ties, -inf holes, k = 1 and
+        k > live pages, widths not a power of two; blocks of 16 (many per row) and the default (one)."""
+        B, h = 2, 3
+        s = select_rows(kind, B, h, width, n, n + width + k)
+        want = top_k_lowest_ids(s, k, n)
+        if kind == "randn":  # no ties: the reference's topk picks the same pages
+            assert torch.equal(want, R.select_pages(s, k, num_pages=torch.tensor([n])))
+        for block in (16, None):
+            ours = select_pages(s, k, num_pages=torch.tensor([n]), block=block)
+            assert ours.dtype == torch.long and ours.shape == (B, h, k)
+            assert torch.equal(ours, want), (block, ours, want)
+        assert ours[B - 1, h - 1].tolist() == [n - 1] + [-1] * (k - 1)
+
     def test_select_pages_in_place_for_active_rows():
-        torch.manual_seed(5)
-        B, h, P, k = 2, 3, 90, 8
-        s = torch.randn(B, h, P)
-        n = torch.tensor([61])
+        B, h, width, n, k = 2, 3, 150, 37, 8
+        s = select_rows("ties", B, h, width, n, 5)
         active = torch.tensor([True, False, True])
         before = torch.full((B, h, k), 7, dtype=torch.long)
-        ours, ref = before.clone(), before.clone()
-        select_pages_triton(s, k, num_pages=n, active=active, out=ours)
-        R.select_pages(s, k, num_pages=n, active=active, out=ref)
-        assert torch.equal(ours, ref)
-        assert torch.equal(ours[:, 1], before[:, 1])  # the inactive head keeps its selection
-        assert torch.equal(ours[:, 0], R.select_pages(s[:, :, :61], k)[:, 0])  # 60 = the newest page, forced
+        want = torch.where(active[None, :, None], top_k_lowest_ids(s, k, n), before)
+        for block in (16, None):
+            ours = before.clone()
+            assert select_pages(s, k, num_pages=torch.tensor([n]), active=active, out=ours, block=block) is ours
+            assert torch.equal(ours, want)  # the inactive head keeps its selection
+        ref = before.clone()
+        s = torch.randn(B, h, width, generator=torch.Generator().manual_seed(6))
+        R.select_pages(s, k, num_pages=torch.tensor([n]), active=active, out=ref)
+        assert torch.equal(select_pages(s, k, num_pages=torch.tensor([n]), active=active, out=before), ref)
 
-    # ---- select_pages ----------------------------------------------------------------------------------
     @pytest.mark.parametrize("P,k", [(1, 4), (5, 8), (40, 4), (40, 40), (300, 16), (1000, 128), (2100, 130)])
     def test_select_pages(P, k):
         torch.manual_seed(P + k)
@@ -311,18 +357,16 @@ else:
         s[1, 2, :] = float("-inf")  # only the forced last page is selectable
         if P > 3:
             s[1, 1, 3] = float("inf")
-        ours = select_pages_triton(s, k)
+        ours = select_pages(s, k)
         assert ours.dtype == torch.long and ours.shape == (B, h, k)
         assert torch.equal(ours, R.select_pages(s, k))
-        for bits in (1, 2):  # the narrower radix passes used for long score vectors
-            assert torch.equal(select_pages_triton(s, k, radix_bits=bits), ours), bits
-        assert torch.equal(select_pages(s, k), ours)
+        assert torch.equal(select_pages(s, k, block=64, num_warps=2), ours)
         assert (ours[1, 2, 1:] == -1).all() and ours[1, 2, 0] == P - 1
 
     def test_select_pages_ties_take_lowest_ids():
         s = torch.zeros(1, 1, 10)
         s[0, 0, 7] = 1.0
-        out = select_pages_triton(s, 4)  # page 9 forced, page 7 the best, then ties 0 and 1
+        out = select_pages(s, 4)  # page 9 forced, page 7 the best, then ties 0 and 1
         assert out.tolist() == [[[0, 1, 7, 9]]]
 
     # ---- sparse_decode ---------------------------------------------------------------------------------
@@ -411,31 +455,80 @@ else:
         assert rel_err(out, want) < 1e-5
 
     # ---- reseat_slots ----------------------------------------------------------------------------------
-    @pytest.mark.parametrize("S,K", [(5, 4), (9, 8), (17, 16), (300, 260)])  # the last: the reference's path
+    ROW_KINDS = ("sorted", "shuffled", "unchanged", "all new", "holes", "empty")
+
+    def wanted_row(kind: str, resident: torch.Tensor, K: int, cap: int, g: torch.Generator) -> torch.Tensor:
+        """One (row, slot head)'s wanted pages ``[K]`` of a kind: ``sorted`` (a re-rank's: ascending, -1 padded at
+        the end, any count), ``shuffled`` (no order), ``unchanged`` (exactly the resident pages), ``all new`` (K
+        pages none of which is resident), ``holes`` (a rewind's: ascending with -1 anywhere, front included),
+        ``empty`` (all -1).  No page twice (the callers' contract)."""
+        row = torch.full((K,), -1, dtype=torch.long)
+        if kind == "unchanged":
+            have = resident[resident >= 0].sort().values[:K]
+            row[: have.numel()] = have
+            return row
+        pool = torch.randperm(cap, generator=g)
+        if kind == "all new":
+            pool = pool[~torch.isin(pool, resident)]
+        n = {"empty": 0, "all new": min(K, pool.numel())}.get(kind, int(torch.randint(0, K + 1, (1,), generator=g)))
+        pick = pool[:n]
+        if kind == "holes":
+            at = torch.randperm(K, generator=g)[:n].sort().values
+            row[at] = pick.sort().values
+        else:
+            row[:n] = pick if kind == "shuffled" else pick.sort().values
+        return row
+
+    @pytest.mark.parametrize("S,K", [(5, 4), (7, 5), (3, 1), (40, 27), (130, 128), (259, 256)])
     def test_reseat_slots_matches_reference_over_rounds(S, K):
-        """Rounds of random wanted sets (some rows unpadded, some -1 padded, some rounds predicated off): the slot
-        rows, the page table (a flat buffer with its spare entry, heads not in slot order) and the returned
-        promotions are the reference's, round after round."""
+        """Rounds of wanted rows of every kind (``wanted_row``: sorted, shuffled, unchanged, all new, with -1 holes,
+        empty; several kinds in one launch), some rounds predicated on or off: the slot rows (free slots among them),
+        the page table (a flat buffer with its spare entry, heads not in slot order, entries never written kept)
+        and the returned promotions are the reference's, round after round.  (259, 256): the product's defaults
+        (budget 2048, 8-token pages, R = 16); (130, 128): the paper's."""
         g = torch.Generator().manual_seed(S * 100 + K)
-        B, H, nT, cap = 2, 3, 2, max(40, 2 * K)
+        B, H, nT, cap = 2, 3, 2, max(40, 3 * K)
         heads = torch.tensor([2, 0])
-        phys = (1 + torch.arange(B * nT * S)).view(B, nT, S)
-        states = [(torch.full((B, nT, S), -1, dtype=torch.long),
-                   torch.zeros(B * H * cap + 1, dtype=torch.int32)) for _ in range(2)]
+        phys = (1 + torch.randperm(B * nT * S, generator=g)).view(B, nT, S)
+        table = torch.randint(0, 99, (B * H * cap + 1,), generator=g, dtype=torch.int32)
+        states = [(torch.full((B, nT, S), -1, dtype=torch.long), table.clone()) for _ in range(2)]
         for rnd in range(12):
-            wanted = torch.full((B, nT, K), -1, dtype=torch.long)
-            for b in range(B):
-                for t in range(nT):
-                    n = int(torch.randint(0, K + 1, (1,), generator=g))
-                    pick = torch.randperm(cap, generator=g)[:n]
-                    wanted[b, t, :n] = pick if rnd % 3 else pick.sort().values
-            when = None if rnd % 4 == 0 else torch.tensor([bool(rnd % 5)])
             (sp_r, tb_r), (sp_t, tb_t) = states
+            kinds = [[ROW_KINDS[(rnd + b * nT + t) % len(ROW_KINDS)] for t in range(nT)] for b in range(B)]
+            wanted = torch.stack([torch.stack([wanted_row(kinds[b][t], sp_r[b, t], K, cap - 12, g)
+                                               for t in range(nT)]) for b in range(B)])
+            when = None if rnd % 4 == 0 else torch.tensor([bool(rnd % 5)])
             want = R.reseat_slots(sp_r, wanted, phys, tb_r, heads, H, 0, when)
             got = reseat_slots(sp_t, wanted[:, :, :], phys, tb_t, heads, H, 0, when)
             assert torch.equal(sp_t, sp_r), rnd
             assert torch.equal(tb_t[:-1], tb_r[:-1]), rnd  # the spare entry is scratch
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), rnd
+            if rnd % 3 == 2:  # a new page (never wanted yet) into every row's first free slot, as decode does
+                for sp, tb in states:
+                    R.place_page(sp, phys, tb, heads, H, torch.tensor([cap - 1 - rnd]), sp.new_zeros(B, nT))
+
+    def test_reseat_slots_strided_wanted_and_the_reference_past_its_limit(monkeypatch):
+        """Wanted rows as views with strides (every other head of a selection; its page axis strided too), and rows
+        longer than ``MAX_PAGES`` (here lowered), which the reference serves: the reference's result."""
+        from flexicache_hf.kernels import slots
+
+        g = torch.Generator().manual_seed(5)
+        B, H, nT, S, K, cap = 2, 4, 2, 19, 16, 60
+        heads = torch.tensor([1, 3])
+        phys = (1 + torch.randperm(B * nT * S, generator=g)).view(B, nT, S)
+        for limit in (slots.MAX_PAGES, 8):
+            monkeypatch.setattr(slots, "MAX_PAGES", limit)
+            ref = [torch.full((B, nT, S), -1, dtype=torch.long), torch.zeros(B * H * cap + 1, dtype=torch.int32)]
+            ours = [t.clone() for t in ref]
+            for rnd in range(3):
+                sel = torch.rand(B, H, cap, generator=g).topk(K, dim=-1).indices.sort(-1).values
+                if rnd == 1:
+                    sel = sel.transpose(1, 2).contiguous().transpose(1, 2)
+                wanted = sel[:, 1::2]
+                want = R.reseat_slots(ref[0], wanted, phys, ref[1], heads, H, 0)
+                got = slots.reseat_slots(ours[0], wanted, phys, ours[1], heads, H, 0)
+                assert all(torch.equal(a, b) for a, b in zip((*got, ours[0], ours[1][:-1]),
+                                                             (*want, ref[0], ref[1][:-1]))), (limit, rnd)
 
     @pytest.mark.parametrize("S", [1, 5, 17])
     def test_place_page_matches_reference(S):

@@ -28,7 +28,7 @@ from .decode import DEFAULT_OUT, ModelShape, timed
 def run(batches, context: int, budget: int, R: int, unstable_frac: float, out_dir: Path, dtype: torch.dtype) -> dict:
     from flexicache_hf.kernels import reference
     from flexicache_hf.kernels import TRITON_OPS as ops
-    from flexicache_hf.kernels.select import select_pages_triton
+    from flexicache_hf.kernels.select import select_pages as triton_select
 
     m = ModelShape(dtype=dtype)
     H, D, ps = m.kv_heads, m.head_dim, m.page_size
@@ -64,15 +64,15 @@ def run(batches, context: int, budget: int, R: int, unstable_frac: float, out_di
         t_u = timed(lambda i: rerank(i, uh), n_sets)
         t_a = timed(lambda i: rerank(i, all_heads), n_sets)
         sel = {}
-        for name, fn in (("triton", select_pages_triton), ("torch", reference.select_pages)):
+        for name, fn in (("triton", triton_select), ("torch", reference.select_pages)):
             for which in ("s_u", "s_a"):
                 sel[f"{name}_{'unstable' if which == 's_u' else 'all'}"] = timed(
                     lambda i, fn=fn, which=which: fn(sets[i][which], K), n_sets)
-        for warps, rb in ((4, 4), (4, 2), (16, 4), (2, 2), (8, 2)):  # default at 625 pages: 8 warps, 4 bits
+        for warps, block in ((4, 512), (4, 1024), (8, 1024), (8, 2048), (16, 2048)):  # default: launch_config
             for which in ("s_u", "s_a"):
-                sel[f"triton_{'unstable' if which == 's_u' else 'all'}_w{warps}_b{rb}"] = timed(
-                    lambda i, warps=warps, rb=rb, which=which: select_pages_triton(
-                        sets[i][which], K, num_warps=warps, radix_bits=rb), n_sets)
+                sel[f"triton_{'unstable' if which == 's_u' else 'all'}_w{warps}_p{block}"] = timed(
+                    lambda i, warps=warps, block=block, which=which: triton_select(
+                        sets[i][which], K, num_warps=warps, block=block), n_sets)
         for bp, warps in ((32, 4), (64, 4), (128, 8), (16, 2)):  # page_scores tiles (default: 64 pages, 8 warps)
             for name, hh in (("unstable", uh), ("all", all_heads)):
                 sel[f"scores_{name}_p{bp}_w{warps}"] = timed(

@@ -6,8 +6,9 @@ Every ``--every`` calls it records, after ``gc.collect()``: live objects by type
 tensors, all gc-tracked objects), how many caches were still alive *before* the collection (those only a
 reference cycle keeps: their tensors wait for the cyclic collector), the process RSS before and after
 ``malloc_trim(0)`` (glibc: memory freed but kept by the allocator is handed back), and on CUDA the device bytes
-allocated / reserved and the pinned host bytes of torch's caching host allocator
-(``torch.cuda.host_memory_stats()``).  The first sample is taken after ``--warmup`` calls, so one-time costs
+allocated / reserved, the pinned host bytes of torch's caching host allocator
+(``torch.cuda.host_memory_stats()``) and the host tiers' page-locked blocks, lent and kept
+(``block_keeper.BLOCKS.stats()``).  The first sample is taken after ``--warmup`` calls, so one-time costs
 (kernel compilation, allocator pools, transformers' lazy imports) are not counted as growth.
 
 Prints and writes JSON: the settings, every sample, and the growth from the first sample to the last.
@@ -76,6 +77,10 @@ def cuda_memory(device: torch.device) -> dict:
                     "segment.current", "active_bytes.current"):
             if key in host:
                 out[f"pinned_{key}"] = host[key]
+    from ..block_keeper import BLOCKS
+
+    blocks = BLOCKS.stats()
+    out.update(blocks_lent_bytes=blocks["lent_bytes"], blocks_kept_bytes=blocks["kept_bytes"])
     return out
 
 

@@ -10,11 +10,9 @@ imports Triton or cuda-python.
 from __future__ import annotations
 
 from . import reference
-from .reference import MAX_SELECT_PAGES
 from .table import KERNELS, REFERENCE_OPS, TRITON, KernelOps, ops_for, ops_named
 
-__all__ = ["KERNELS", "MAX_SELECT_PAGES", "REFERENCE_OPS", "TRITON_OPS", "KernelOps", "ops_for", "ops_named",
-           "reference"]
+__all__ = ["KERNELS", "REFERENCE_OPS", "TRITON_OPS", "KernelOps", "ops_for", "ops_named", "reference"]
 
 
 def __getattr__(name: str):

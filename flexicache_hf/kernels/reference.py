@@ -21,7 +21,6 @@ import torch
 from ..config import GROUP_SCORES
 
 NEG_INF = float("-inf")
-MAX_SELECT_PAGES = 32768  # longest score row the Triton select holds in one program (longer rows: select_pages here)
 
 
 def host_int(x: torch.Tensor | int) -> int:
@@ -346,7 +345,7 @@ def place_page(
 
 def reseat_slots(
     slot_page: torch.Tensor,  # [B, nT, S] int64 logical page each device slot holds (-1 = free), updated in place
-    wanted: torch.Tensor,  # [B, nT, K] int64 pages to make resident (-1 padded)
+    wanted: torch.Tensor,  # [B, nT, K] int64 pages to make resident (-1 = none, anywhere; no page twice)
     slot_phys: torch.Tensor,  # [B, nT, S] int64 physical page of each slot
     table_buffer: torch.Tensor,  # [B * H * cap + 1] int32 page table (flat) and a last spare entry, updated in place
     slot_heads: torch.Tensor,  # [nT] int64 the KV head of each slot row

@@ -12,8 +12,9 @@ asynchronous on the current stream, no SMs taken from the concurrent prefill, no
 page is one call (its runs: every (row, head)); a span of ``P`` whole pages is ``min(P, B * heads)`` calls, one per
 page (runs: every (row, head)) or one per (row, head) (runs: every page), whichever is fewer.
 
-Fallback: without cuda-python, or for layouts a 2D copy cannot express, one ``copy_(non_blocking=True)`` per
-contiguous run (still asynchronous into pinned memory).
+Fallback: without cuda-python, for layouts a 2D copy cannot express, or for host memory registered in pieces (a 2D
+copy may not cross a registration: the driver answers ``CUDA_ERROR_INVALID_VALUE``, measured on the H200), one
+``copy_(non_blocking=True)`` per contiguous run (still asynchronous into pinned memory).
 """
 
 from __future__ import annotations
@@ -107,7 +108,8 @@ class RowCopier:
                 self._per_run(d, s)
 
     def _copy_2d(self, driver, device: torch.device, args: tuple[int, int, int, int, int, int]) -> bool:
-        """One ``cuMemcpy2DAsync`` (:func:`copy_2d_args`); False (and the driver path off) where it failed."""
+        """One ``cuMemcpy2DAsync`` (:func:`copy_2d_args`); False where it failed: for this block only where it crossed
+        a registration of host memory pinned in pieces, else with the driver path off from then on."""
         p = driver.CUDA_MEMCPY2D()
         unified = driver.CUmemorytype.CU_MEMORYTYPE_UNIFIED  # pinned host pointers are device addresses (UVA)
         p.dstMemoryType, p.dstDevice, p.dstPitch = unified, args[0], args[1]
@@ -117,6 +119,10 @@ class RowCopier:
         (err,) = driver.cuMemcpy2DAsync(p, stream)
         if err == driver.CUresult.CUDA_SUCCESS:
             return True
+        if err == driver.CUresult.CUDA_ERROR_INVALID_VALUE:
+            # The runs span host memory registered in pieces (a block the driver would not page-lock whole,
+            # host_memory.py): one 2D copy may not cross a registration, a run never does (pieces are whole runs).
+            return False
         self.unavailable = f"cuMemcpy2DAsync failed: {err}"
         warnings.warn(f"FlexiCache: {self.unavailable}; host-tier row copies fall back to one copy per row")
         return False

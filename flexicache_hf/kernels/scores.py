@@ -5,7 +5,9 @@ Per page ``p`` and query head ``g`` the bound is ``sum_i max(q_i * kmin_i, q_i *
 of the two products is ``q * x`` and the other ``±0``), which turns the bound into two multiply-adds per
 channel with no select.  One program loads a ``[BLOCK_P, D]`` tile of kmin and kmax once and evaluates every
 query head of the KV head's group against it, keeping the maximum: the MinMax cache is read exactly once per
-scored head, which is the whole cost of this memory-bound step.
+scored head, which is the whole cost of this memory-bound step.  A program whose block of pages lies past
+``num_pages`` (a device scalar: rows reserved for the whole context hold mostly such blocks) stores ``-inf`` and
+reads nothing.
 """
 
 from __future__ import annotations
@@ -45,9 +47,10 @@ def _page_scores_kernel(
     j = bj % n_sel
     p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)  # [BLOCK_P] logical pages
     active = tl.load(active_ptr + j).to(tl.int32)
-    if active == 0:
-        # A head not scored now (a stable head between its re-ranks, in a compiled step that launches every head):
-        # its row is -inf and nothing else is read, so such programs end after one store.
+    if (active == 0) | (pid_p * BLOCK_P >= tl.load(num_pages_ptr)):
+        # A head not scored now (a stable head between its re-ranks, in a compiled step that launches every head),
+        # or a block past the pages that exist (rows reserved for the whole context): -inf and nothing else read,
+        # so such programs end after one store.
         none = tl.full([BLOCK_P], float("-inf"), tl.float32)
         if GROUP_MAX:
             tl.store(out_ptr + bj * width + p, none, mask=p < width)

@@ -87,9 +87,9 @@ KERNELS = (
     Kernel("page_lse", reference.page_lse, "page_lse",
            "(Tensor query, Tensor k_pool, Tensor page_table, Tensor heads, Tensor num_pages, Tensor valid_lo, "
            "Tensor seq_len, float scale) -> Tensor", _lse_like),
-    # Triton's radix select beat torch.topk + sort + padding (the reference) at every benchmark shape on the H200:
-    # 7-24 us vs 38-94 us for 8-512 rows of 625-1875 pages (docs/benchmarks/decode.md, rerank.json).  Rows longer
-    # than one program holds (reference.MAX_SELECT_PAGES) go to the reference from inside the twin.
+    # A Triton radix select rather than torch.topk + sort + padding (the reference): the earlier in-register select
+    # beat it at every benchmark shape on the H200, 7-24 us vs 38-94 us for 8-512 rows of 625-1875 pages
+    # (docs/benchmarks/decode.md, rerank.json).  The select walks only each row's live pages, rows of any width.
     Kernel("select_pages", reference.select_pages, "select",
            "(Tensor scores, SymInt k, Tensor num_pages, Tensor active, Tensor(a4!) out) -> ()", result="out"),
     Kernel("sparse_decode", reference.sparse_decode, "sparse_decode",

@@ -17,8 +17,10 @@ from transformers.cache_utils import CacheLayerMixin
 from ..config import FlexiCacheConfig
 from ..head_profile import ModelIdentity
 from ..kernels import ops_for
+from ..pages import room_capacity
 from ..rerank import Reranker, SelectionObserver
 from ..sharding import TensorParallel, kv_head_shard
+from ..tiers import tier_block, tier_pages
 from . import decode, prefill, rewind
 from .schedule import GRAPH_PLAN, DecodeState
 from .storage import LayerStorage
@@ -254,9 +256,29 @@ class FlexiCacheLayer(CacheLayerMixin):
     def host_bytes(self) -> int:
         return self.storage.host.nbytes() if self.is_initialized else 0
 
-    def host_bytes_for(self, end: int) -> int:
-        """Host bytes once grown for ``end`` tokens (0 before the first forward: nothing known yet)."""
-        return self.storage.host_bytes_for(end, self.spec.max_tokens) if self.is_initialized else 0
+    def host_plan(self, end: int, key_states: torch.Tensor, tp_size: int | None = None) -> list[tuple[int, int]]:
+        """The ``(bytes, run)`` of the host blocks this layer allocates to make room for ``end`` tokens (``[]``: none):
+        sizes only, nothing is allocated.  Before the layer's first forward they are predicted from ``key_states``
+        (the first layer's: every layer of a served model has its shape) and the profile (``[]`` for states the layer
+        will refuse)."""
+        B, H, _, D = key_states.shape
+        if self.is_initialized:
+            s = self.storage  # an emptied layer of another batch or dtype is made anew at its update: predicted
+            if self.seq_len or (s.batch, s.num_kv_heads, s.head_dim, s.dtype) == (B, H, D, key_states.dtype):
+                return s.host_blocks_for(end, self.spec.max_tokens)
+        if not self.config.offload:
+            return []
+        try:
+            shard = kv_head_shard(self.spec.model, self.layer_idx, H, D, TensorParallel.of_process(tp_size))
+        except ValueError:  # ProfileError too: the layer refuses these states itself at its first forward
+            return []
+        heads = H - len(shard.to_local(self.spec.unstable))
+        ps, sized = self.config.page_size, self.spec.max_tokens is not None
+        pages = room_capacity(end, self.spec.max_tokens, ps, 0)
+        if not heads or pages is None:
+            return []
+        pages = tier_pages(pages, key_states.device.type == "cuda", headroom=not sized)
+        return [tier_block(B, heads, ps, D, key_states.dtype, pages)] * 2
 
     def dense_bytes(self) -> int:
         """Bytes ``DynamicCache`` would hold for the same tokens."""

@@ -12,7 +12,7 @@ import torch
 
 from ..config import FlexiCacheConfig
 from ..kernels import KernelOps
-from ..pages import PagePool, PoolLayout, grown_capacity, room_pages
+from ..pages import PagePool, PoolLayout, room_capacity
 from ..tiers import CopyStream, HostTier, SlotTable, copy_context, offload_page
 
 
@@ -97,14 +97,9 @@ class LayerStorage:
 
     # ---- room -------------------------------------------------------------------------------------------
     def pages_for(self, end: int, max_tokens: int | None) -> int | None:
-        """The page capacity that room for ``end`` tokens takes, or None where there is room: ``max_tokens``'
-        (``max_cache_len``) when given, else grown with headroom (amortised O(1) per token).  Storage positions lead
-        model positions by less than a page (the schedule's ``origin``): room is made for ``page_size - 1`` more."""
-        ps = self.config.page_size
-        need = room_pages(end, ps)
-        if need <= self.page_capacity:
-            return None
-        return room_pages(max_tokens, ps) if max_tokens is not None else grown_capacity(need, self.page_capacity)
+        """The page capacity that room for ``end`` tokens takes, or None where there is room
+        (:func:`~flexicache_hf.pages.room_capacity`: ``max_tokens``' when given, else grown with headroom)."""
+        return room_capacity(end, max_tokens, self.config.page_size, self.page_capacity)
 
     def ensure_capacity(self, end: int, stored: int, max_tokens: int | None, host_elsewhere: int) -> None:
         """Room for ``end`` tokens (:meth:`pages_for`).  ``host_elsewhere``: host bytes the cache's other layers
@@ -112,7 +107,8 @@ class LayerStorage:
         cap = self.pages_for(end, max_tokens)
         if cap is None:
             return
-        self.host.grow(cap, host_elsewhere)  # first: it is the one that may refuse (host memory), before any change
+        # First: the host tier is the one that may refuse (host memory), before any change.
+        self.host.grow(cap, host_elsewhere, headroom=max_tokens is None)
         # Offloaded heads never need more slots than pages exist, so short contexts do not pay for the budget.
         slots = min(self.config.resident_slots, cap) if self.offloads else 0
         self.pool.grow(cap, slots)
@@ -123,10 +119,11 @@ class LayerStorage:
         self.min_pages = torch.cat([self.min_pages, self.min_pages.new_full(pad, float("inf"))])
         self.max_pages = torch.cat([self.max_pages, self.max_pages.new_full(pad, float("-inf"))])
 
-    def host_bytes_for(self, end: int, max_tokens: int | None) -> int:
-        """Host bytes the host tier holds once :meth:`ensure_capacity` made room for ``end`` tokens."""
+    def host_blocks_for(self, end: int, max_tokens: int | None) -> list[tuple[int, int]]:
+        """The ``(bytes, run)`` of the host blocks :meth:`ensure_capacity` allocates to make room for ``end`` tokens
+        (``[]``: none)."""
         cap = self.pages_for(end, max_tokens)
-        return self.host.nbytes() if cap is None else self.host.bytes_for(cap)
+        return [] if cap is None else self.host.blocks_for(cap, headroom=max_tokens is None)
 
     def find_tail(self, stored: int) -> None:
         """Point ``tail_phys`` at the slots holding the newest page again (after the slots were re-laid); ``stored``:

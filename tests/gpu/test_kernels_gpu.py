@@ -176,6 +176,43 @@ def test_select_pages_large(P, k):
     assert torch.equal(TRITON_OPS.select_pages(s, k), R.select_pages(s, k))
 
 
+def top_k_lowest_ids(s, k, n):
+    """The select's contract spelled out (ties to the lowest page ids: a stable sort); see the interpreted tests."""
+    s = s[:, :, :n].clone()
+    s[:, :, n - 1] = float("inf")
+    order = torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :, :k]
+    pages = torch.where(s.gather(-1, order) > float("-inf"), order, n).sort(-1).values
+    pages = torch.where(pages == n, -1, pages)
+    return torch.cat([pages, pages.new_full((*pages.shape[:2], k - pages.shape[-1]), -1)], -1)
+
+
+@pytest.mark.parametrize("n,width", [(2049, 16384), (2049, 2049), (16384, 16384), (2049, 131072)])
+@pytest.mark.parametrize("k", [256, 1])
+def test_select_pages_reads_only_the_live_pages(n, width, k):
+    """B=16 x 8 heads, rows reserved for a 128k (1M) context at 8-token pages and 2049 live pages (a 16k prompt): the
+    select of the live pages, with garbage past them, -inf holes and ties; in place for active heads."""
+    from flexicache_hf.kernels import reference as R
+    from flexicache_hf.kernels import TRITON_OPS
+
+    g = torch.Generator(device=DEV).manual_seed(n + width + k)
+    B, h = 16, 8
+    s = torch.randn(B, h, width, generator=g, device=DEV)
+    s[:, :, n:] = float("nan")  # a select reading past the live pages would pick these
+    s[0, 0, ::3] = float("-inf")
+    s[1, 1] = float("-inf")  # only the newest page selectable
+    live = torch.tensor([n], device=DEV)
+    got = TRITON_OPS.select_pages(s, k, num_pages=live)
+    assert torch.equal(got, R.select_pages(s, k, num_pages=live))
+    assert got[1, 1].tolist() == [n - 1] + [-1] * (k - 1)
+    s[2:5] = torch.randint(0, 4, (3, h, width), generator=g, device=DEV).float()  # ties at the threshold
+    s[2:5, :, n:] = float("inf")
+    active = torch.rand(h, generator=g, device=DEV) < 0.5
+    before = torch.full((B, h, k), 7, dtype=torch.long, device=DEV)
+    out = before.clone()
+    TRITON_OPS.select_pages(s, k, num_pages=live, active=active, out=out)
+    assert torch.equal(out, torch.where(active[None, :, None], top_k_lowest_ids(s, k, n), before))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_append_token_matches_reference_large(dtype):
     """One decode token of 64 rows x 8 heads (Llama-8B head shape) into shuffled pool rows, bit-exact."""
@@ -201,7 +238,7 @@ def test_append_token_matches_reference_large(dtype):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("K", [64, 128])  # budget 1024 / 2048 at 16-token pages
+@pytest.mark.parametrize("K", [64, 128, 256])  # budget 1024 / 2048 at 16-token pages, 2048 at 8-token pages
 def test_slot_kernels_match_reference_at_llama_scale(K):
     """reseat_slots and place_page (Triton) against the reference over rounds of re-ranks and new pages: 16 rows x 6
     offloaded heads of 8, K + 1 slots, 1,040 pages; predicated rounds included."""
@@ -218,8 +255,8 @@ def test_slot_kernels_match_reference_at_llama_scale(K):
             torch.zeros(B, nT, dtype=torch.long, device=DEV)]
     ref = [t.clone() for t in ours]
     for rnd in range(8):
-        wanted = torch.rand(B, nT, cap, generator=g, device=DEV).topk(K, dim=-1).indices.sort(-1).values
-        wanted[:, :, -1] = 900 + rnd  # the newest page, held in a slot already
+        wanted = torch.rand(B, nT, 900, generator=g, device=DEV).topk(K, dim=-1).indices.sort(-1).values
+        wanted[:, :, -1] = 900 + rnd  # the newest page, held in a slot already (no page twice: the callers' contract)
         when = None if rnd % 3 == 0 else torch.tensor([rnd % 3 == 1], device=DEV)
         got = reseat_slots(ours[0], wanted, phys, ours[1], heads, H, 0, when)
         want = R.reseat_slots(ref[0], wanted, phys, ref[1], heads, H, 0, when)
@@ -233,6 +270,40 @@ def test_slot_kernels_match_reference_at_llama_scale(K):
         R.place_page(ref[0], phys, ref[1], heads, H, page, ref[2], when)
         for a, b in zip(ours, ref):
             assert torch.equal(a[:-1] if a.dim() == 1 else a, b[:-1] if b.dim() == 1 else b), rnd
+
+
+@pytest.mark.parametrize("K,S", [(256, 259), (4096, 4353)])
+def test_reseat_matches_reference_on_every_kind_of_row(K, S):
+    """reseat_slots (Triton) against the reference at the product's defaults (budget 2048 at 8-token pages, R = 16:
+    K = 256, S = 259; and budget 32k at R = 256), 16 rows x 6 offloaded heads of 8, one launch holding rows of every
+    kind: sorted and -1 padded, shuffled, unchanged, all new, ascending with -1 holes; predicated rounds included."""
+    from flexicache_hf.kernels import reference as R
+    from flexicache_hf.kernels.slots import reseat_slots
+
+    g = torch.Generator(device=DEV).manual_seed(K)
+    B, H, nT, cap = 16, 8, 6, 2 * K + 64
+    heads = torch.tensor([0, 1, 3, 4, 6, 7], device=DEV)
+    phys = (1 + torch.randperm(B * nT * S, generator=g, device=DEV)).view(B, nT, S)
+    ours = [torch.full((B, nT, S), -1, dtype=torch.long, device=DEV),
+            torch.randint(0, 99, (B * H * cap + 1,), generator=g, dtype=torch.int32, device=DEV)]
+    ref = [t.clone() for t in ours]
+    for rnd in range(8):
+        resident = torch.where(ref[0] >= 0, ref[0], cap).sort(-1).values[..., :K]
+        scores = torch.rand(B, nT, cap + 1, generator=g, device=DEV)
+        shuffled = scores[..., :cap].topk(K, dim=-1).indices  # in score order
+        padded = torch.arange(K, device=DEV) < torch.randint(0, K + 1, (B, nT, 1), generator=g, device=DEV)
+        kinds = [torch.where(padded, shuffled.sort(-1).values, -1),  # a re-rank's: ascending, -1 padded
+                 torch.where(padded, shuffled, -1),  # no order
+                 torch.where(resident < cap, resident, -1),  # exactly the resident pages
+                 scores.scatter(-1, resident, -1.0)[..., :cap].topk(K, dim=-1).indices.sort(-1).values,  # all new
+                 torch.where(torch.rand(B, nT, K, generator=g, device=DEV) < 0.3, -1, shuffled.sort(-1).values)]
+        kind = (torch.arange(B * nT, device=DEV).view(B, nT, 1) + rnd) % len(kinds)
+        wanted = torch.stack(kinds).gather(0, kind[None].expand(1, B, nT, K))[0]
+        when = None if rnd % 3 == 0 else torch.tensor([rnd % 3 == 1], device=DEV)
+        got = reseat_slots(ours[0], wanted, phys, ours[1], heads, H, 0, when)
+        want = R.reseat_slots(ref[0], wanted, phys, ref[1], heads, H, 0, when)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), rnd
+        assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1][:-1], ref[1][:-1]), rnd
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -370,7 +441,8 @@ def test_flexicache_triton_matches_reference_end_to_end(dtype, steps, tol, ps, R
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_copy_rows_device_host_both_ways_through_the_driver(dtype):
-    """A prompt chunk into a strided range of the pinned host tier, and a prefix back (cuMemcpy2DAsync)."""
+    """copy_rows' ``[B, H, T, D]`` form: token rows into a strided range of pinned memory and a prefix back, one
+    cuMemcpy2DAsync each (the page-major host tier's spans: tests/gpu/test_page_major_gpu.py)."""
     from flexicache_hf.kernels import TRITON_OPS
     from flexicache_hf.kernels.row_copy import RowCopier
 
@@ -397,7 +469,8 @@ def test_copy_rows_device_host_both_ways_through_the_driver(dtype):
 
 
 def test_fresh_cache_of_the_same_shape_reuses_pinned_blocks():
-    """Pinned host tiers come from torch's caching host allocator: a second cache allocates nothing new."""
+    """A second cache of the same shape page-locks nothing new: its host tier is the first one's blocks (the dropped
+    storage, recycling.py, or the kept blocks, block_keeper.py), and torch's pinned allocator holds none of it."""
     from conftest import tiny_config
     from transformers import AutoModelForCausalLM, DynamicCache
 
@@ -421,8 +494,11 @@ def test_fresh_cache_of_the_same_shape_reuses_pinned_blocks():
         st = torch.cuda.host_memory_stats()
         return st["num_host_alloc"], st["allocated_bytes.allocated"]  # bytes ever page-locked
 
+    from flexicache_hf.block_keeper import BLOCKS
+
     first, host_bytes = run(FlexiCache(prof, token_budget=128, max_cache_len=740))
     allocs0, reserved0 = pinned()
+    pins0 = BLOCKS.stats()["pins"]
     run(DynamicCache())  # what generate itself allocates in pinned memory per call (a flag or two)
     allocs1, reserved1 = pinned()
     again, _ = run(FlexiCache(prof, token_budget=128, max_cache_len=740))
@@ -433,3 +509,4 @@ def test_fresh_cache_of_the_same_shape_reuses_pinned_blocks():
     # measured on the H200 with torch 2.11 -- 1 allocation, 1 byte -- and never again.)
     assert reserved2 - reserved1 < host_bytes / 64, (reserved0, reserved1, reserved2, host_bytes)
     assert allocs2 - allocs1 <= 1, (allocs0, allocs1, allocs2)
+    assert BLOCKS.stats()["pins"] == pins0

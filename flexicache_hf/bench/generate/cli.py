@@ -55,14 +55,16 @@ def build_parser() -> argparse.ArgumentParser:
                          "multi-token forwards); step times then count tokens, several per forward")
     ap.add_argument("--offloaded-tokens", type=int, default=16,
                     help="tokens of the offloaded row, whose steps take ~1 s at long contexts (default: 16)")
-    ap.add_argument("--budget", type=int, default=1024, help="FlexiCache's token_budget (default: 1024)")
-    ap.add_argument("--rerank-interval", type=int, default=16, help="FlexiCacheConfig.rerank_interval (default: 16)")
+    ap.add_argument("--budget", type=int, default=None,
+                    help="FlexiCacheConfig.token_budget of the sized flexicache rows (default: the profile's settings)")
+    ap.add_argument("--rerank-interval", type=int, default=None,
+                    help="FlexiCacheConfig.rerank_interval (default: the profile's settings)")
     ap.add_argument("--stagger-reranks", action=argparse.BooleanOptionalAction, default=None,
-                    help="FlexiCacheConfig.stagger_reranks (default: the config's, True since run 18: layers re-rank "
-                         "their stable heads on different steps; --no-stagger-reranks: the paper's schedule)")
-    ap.add_argument("--group-score", choices=("max", "mass"), default="max", help="FlexiCacheConfig.group_score")
-    ap.add_argument("--page-size", type=int, default=16, help="FlexiCacheConfig.page_size")
-    ap.add_argument("--bound-shrink", type=float, default=1.0, help="FlexiCacheConfig.bound_shrink")
+                    help="FlexiCacheConfig.stagger_reranks (default: the profile's settings, True since run 18: layers "
+                         "re-rank their stable heads on different steps; --no-stagger-reranks: the paper's schedule)")
+    ap.add_argument("--group-score", choices=("max", "mass"), default=None, help="FlexiCacheConfig.group_score")
+    ap.add_argument("--page-size", type=int, default=None, help="FlexiCacheConfig.page_size")
+    ap.add_argument("--bound-shrink", type=float, default=None, help="FlexiCacheConfig.bound_shrink")
     ap.add_argument("--unstable-group-score", choices=("max", "mass", "exact"), default=None,
                     help="FlexiCacheConfig.unstable_group_score (exact: the unstable heads by the exact mass)")
     ap.add_argument("--unstable-fraction", type=float, default=None,

@@ -43,13 +43,25 @@ class HostLimitError(RuntimeError):
 
 
 def pinned_stats() -> dict:
+    """Page-locked host memory in use, page-locks so far, bytes ever page-locked and seconds forwards waited for
+    page-locking: FlexiCache's host tiers (``block_keeper.BLOCKS``) and torch's pinned allocator (the offloaded row's
+    KV, generate's flags) together."""
+    from ...block_keeper import BLOCKS
+
     st = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
-    return {"pinned_bytes": st.get("allocated_bytes.current", 0), "pinned_allocs": st.get("num_host_alloc", 0),
-            "pinned_locked": st.get("allocated_bytes.allocated", 0)}  # bytes ever page-locked
+    ours = BLOCKS.stats()
+    return {"pinned_bytes": st.get("allocated_bytes.current", 0) + ours["lent_bytes"],
+            "pinned_allocs": st.get("num_host_alloc", 0) + ours["pins"],
+            "pinned_locked": st.get("allocated_bytes.allocated", 0) + ours["pinned_bytes"],
+            "pin_wait_s": ours["wait_s"]}
 
 
 def empty_host_cache() -> None:
-    """Release cached (unused) pinned host blocks: those of another shape are never reused."""
+    """Release cached (unused) pinned host blocks, torch's and the host tiers' kept ones: those of another shape are
+    never reused."""
+    from ...block_keeper import BLOCKS
+
+    BLOCKS.release()
     fn = (getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
           or getattr(torch._C, "_host_emptyCache", None))
     if fn is not None:

@@ -24,24 +24,31 @@ def new_cache(row: str, model, profile, args, max_cache_len: int):
     """The cache object a row passes to ``generate`` (``None``: generate makes it from cache_implementation)."""
     from transformers import DynamicCache, StaticCache
 
-    from ... import FlexiCache
+    from ... import FlexiCache, FlexiCacheConfig
 
     if row == "flexicache-unsized":
         return FlexiCache(profile)  # the README's first example, as written
     if row.startswith("flexicache"):
         limit = int(args.host_limit_gb * 1e9) if args.host_limit_gb > 0 else None
-        stagger = {} if args.stagger_reranks is None else {"stagger_reranks": args.stagger_reranks}
-        return FlexiCache(profile, token_budget=args.budget, rerank_interval=args.rerank_interval, **stagger,
-                          group_score=args.group_score,
-                          page_size=args.page_size, bound_shrink=args.bound_shrink,
-                          unstable_group_score=args.unstable_group_score,
-                          max_cache_len=max_cache_len, model_config=model.config, host_memory_limit=limit)
+        sized = dict(max_cache_len=max_cache_len, model_config=model.config)
+        if row == "flexicache-paper":  # FlexiCacheConfig.paper(): the paper's settings, the flags on top
+            return FlexiCache(profile, config=FlexiCacheConfig.paper(**config_flags(args), host_memory_limit=limit),
+                              **sized)
+        return FlexiCache(profile, **config_flags(args), host_memory_limit=limit, **sized)
     if is_compiled(row):  # static*
         try:
             return StaticCache(config=model.config, max_cache_len=max_cache_len)
         except TypeError:  # another signature: let generate make it (cache_implementation="static")
             return None
     return DynamicCache() if row == "dynamic" else None
+
+
+def config_flags(args) -> dict:
+    """The FlexiCacheConfig fields the run's flags set (unset flags: the profile's settings decide)."""
+    names = dict(budget="token_budget", rerank_interval="rerank_interval", stagger_reranks="stagger_reranks",
+                 group_score="group_score", page_size="page_size", bound_shrink="bound_shrink",
+                 unstable_group_score="unstable_group_score")
+    return {field: getattr(args, flag) for flag, field in names.items() if getattr(args, flag, None) is not None}
 
 
 def generate_once(model, ids, row: str, args, new: int, *, profile=None, stop_after=None, cache=None,
@@ -103,6 +110,7 @@ def generate_once(model, ids, row: str, args, new: int, *, profile=None, stop_af
     res.update(peak_gpu_bytes=torch.cuda.max_memory_allocated(), pinned_bytes=after["pinned_bytes"],
                pinned_allocs_during=after["pinned_allocs"] - before["pinned_allocs"],
                pinned_bytes_added=after["pinned_locked"] - before["pinned_locked"],
+               pin_wait_s=after["pin_wait_s"] - before["pin_wait_s"],
                dynamo_graphs_added=graphs1 - graphs0, batch=ids.shape[0], prompt_tokens=ids.shape[1],
                compiled=(bool(getattr(cache, "is_compileable", False)) if is_user_call(row) else is_compiled(row))
                and not eager and not lookup, prefill_chunk_size=chunk or None,

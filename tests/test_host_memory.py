@@ -1,0 +1,276 @@
+"""Page-locked host blocks without CUDA: the mapping and its parallel population, lending (a block comes back when
+the last view of it dies), the keeper's reuse, bound and background pins, and the host-memory cap on exact sizes,
+checked for every layer at the first layer's update.  Registration itself is tested on CUDA
+(tests/gpu/test_host_pinning_gpu.py)."""
+
+import ctypes
+import threading
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from conftest import tiny_config, twin_models
+from flexicache_hf import FlexiCache, HeadProfile, HostMemoryError, kept_storage_bytes, release_storage
+from flexicache_hf import block_keeper, host_memory, recycling
+from flexicache_hf.block_keeper import BlockKeeper
+from flexicache_hf.host_memory import PAGE, PinnedBlock, PinSettings, pieces, populate
+from flexicache_hf.pages import host_capacity, num_pages, room_capacity
+
+
+class FakeBlock:
+    """A keeper's block in ordinary memory (the keeper's logic without mappings or CUDA); frees are recorded."""
+
+    def __init__(self, nbytes, align, device, freed):
+        self.nbytes, self.key, self.freed = nbytes, (nbytes, align, device), freed
+        self.memory = bytearray(nbytes)
+
+    def lend(self, on_return):
+        """As PinnedBlock.lend: a tensor whose last view's death calls ``on_return(self)``."""
+        buffer = (ctypes.c_ubyte * self.nbytes).from_buffer(self.memory)
+        weakref.finalize(buffer, on_return, self)
+        return torch.frombuffer(buffer, dtype=torch.uint8)
+
+    def free(self):
+        """Recorded, not done (the memory is a bytearray)."""
+        self.freed.append(self.key)
+
+
+def keeper(fail=(), gate=None, pinners=1):
+    """A keeper of FakeBlocks; sizes in ``fail`` fail to pin; ``gate`` (an Event) holds every pin until set."""
+    freed, pinned = [], []
+
+    def pin(nbytes, align, device):
+        """The keeper's ``pin``: a FakeBlock, after the gate, unless its size fails."""
+        if gate is not None:
+            gate.wait(10)
+        pinned.append(nbytes)
+        if nbytes in fail:
+            raise OSError(f"no memory for {nbytes}")
+        return FakeBlock(nbytes, align, device, freed)
+
+    return BlockKeeper(PinSettings(threads=1, pinners=pinners), pin=pin), freed, pinned
+
+
+def settle(k, timeout=10):
+    """Wait until no background pin is under way."""
+    end = time.monotonic() + timeout
+    while k._pending and time.monotonic() < end:
+        time.sleep(0.01)
+    assert not k._pending
+
+
+def within_bound(k):
+    """Whether lent + kept + pending is within the keeper's peak (its bound)."""
+    s = k.stats()
+    return s["lent_bytes"] + s["kept_bytes"] + s["pending_bytes"] <= s["peak_bytes"]
+
+
+# ---- blocks -------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("threads", [1, 4])
+def test_a_block_is_its_exact_bytes_populated_and_comes_back_when_its_last_view_dies(threads):
+    n = 5 * PAGE + 123
+    pool = ThreadPoolExecutor(threads) if threads > 1 else None
+    block = PinnedBlock(n, settings=PinSettings(threads=threads, chunk_bytes=PAGE), pool=pool)
+    back = []
+    t = block.lend(back.append)
+    assert t.dtype == torch.uint8 and t.numel() == n and t.data_ptr() == block.addr and block.addr % PAGE == 0
+    assert not t.any()  # fresh anonymous memory
+    t.fill_(7)
+    view = t[PAGE:].view(torch.int8)[:10]
+    del t
+    assert back == []  # a view still sees the memory
+    assert view.tolist() == [7] * 10
+    del view
+    assert back == [block]
+    block.free()
+    assert block.addr == 0
+    block.free()  # once only
+
+
+def test_population_falls_back_to_writing_on_kernels_without_populate_write(monkeypatch):
+    monkeypatch.setattr(host_memory, "_populate_write", [False])
+    addr = host_memory.map_anonymous(3 * PAGE)
+    try:
+        populate(addr, 3 * PAGE, PAGE, None)
+        assert bytes((ctypes.c_ubyte * (3 * PAGE)).from_address(addr)) == bytes(3 * PAGE)
+    finally:
+        host_memory.unmap(addr, 3 * PAGE)
+
+
+def test_pieces_cover_the_block_in_whole_pages_and_rows():
+    align = 3 * PAGE  # a row of the tier's 2D copies
+    spans = pieces(1 << 40, 10 * align + 5 * PAGE, align, 4 * align + 1)
+    assert [n for _, n in spans] == [4 * align, 4 * align, 2 * align + 5 * PAGE]
+    assert all(a == (1 << 40) + i * 4 * align for i, (a, _) in enumerate(spans))
+    assert pieces(0, 100, 7, None) == [(0, 100)] and pieces(0, 100, 7, 100) == [(0, 100)]
+    assert [n for _, n in pieces(0, 3 * align, align, PAGE)] == [align] * 3  # a row is never split
+    with pytest.raises(ValueError):
+        PinSettings(chunk_bytes=PAGE + 1)
+
+
+# ---- the keeper ---------------------------------------------------------------------------------------------------
+def test_a_later_tier_of_the_same_size_takes_the_kept_block():
+    k, freed, pinned = keeper()
+    a = k.acquire(10_000, 64)
+    ptr = a.data_ptr()
+    assert k.kept_bytes() == 0 and k.stats()["lent_bytes"] == 10_000
+    del a
+    assert k.kept_bytes() == 10_000 and k.stats()["lent_bytes"] == 0
+    b = k.acquire(10_000, 64)
+    assert b.data_ptr() == ptr and pinned == [10_000] and k.stats()["reused"] == 1
+    c = k.acquire(10_000, 32)  # another row size is another block (its registration pieces could differ)
+    assert c.data_ptr() != ptr and pinned == [10_000, 10_000]
+    del b, c
+    assert k.release() == 20_000 and sorted(freed) == [(10_000, 32, None), (10_000, 64, None)] and k.kept_bytes() == 0
+
+
+def test_kept_blocks_never_take_page_locked_memory_past_the_peak():
+    k, freed, _ = keeper()
+    a, b = k.acquire(100), k.acquire(100)
+    del a, b  # peak 200, all of it kept
+    c = k.acquire(150)  # would make 350: both kept blocks go, oldest first
+    assert freed == [(100, 1, None), (100, 1, None)] and k.kept_bytes() == 0 and within_bound(k)
+    d = k.acquire(50)  # lent 200: the peak again
+    del c
+    e = k.acquire(100)  # 150 kept + 100 new would pass 200: the 150 goes
+    assert freed[-1] == (150, 1, None) and within_bound(k)
+    del d, e
+    assert k.kept_bytes() == 150 and k.stats()["peak_bytes"] == 200
+
+
+def test_the_bound_holds_whatever_the_order():
+    import random
+
+    rng = random.Random(0)
+    k, _, _ = keeper()
+    held = []
+    for _ in range(300):
+        if held and rng.random() < 0.45:
+            held.pop(rng.randrange(len(held)))
+        else:
+            held.append(k.acquire(rng.choice([64, 128, 192, 512])))
+        assert within_bound(k)
+        assert k.stats()["lent_bytes"] == sum(t.numel() for t in held)
+    for t in held:  # nothing lent was ever freed: every lent tensor still reads what was written
+        t.fill_(3)
+    assert all(int(t.min()) == 3 for t in held)
+
+
+def test_prefetch_pins_what_is_missing_in_order_and_acquires_take_it():
+    gate = threading.Event()
+    gate.set()
+    k, freed, pinned = keeper(gate=gate)
+    del_me = k.acquire(64)
+    del del_me  # one 64-byte block kept
+    gate.clear()
+    assert k.prefetch([(64, 1), (64, 1), (32, 1)]) == 96  # the kept 64 covers one of them
+    assert k.kept_bytes() == 64 + 96 and within_bound(k)  # pending bytes count as kept until claimed
+    gate.set()
+    got = [k.acquire(64), k.acquire(64), k.acquire(32)]
+    assert pinned == [64, 64, 32] and [t.numel() for t in got] == [64, 64, 32]
+    s = k.stats()  # (a background pin done before its acquire was kept, then reused)
+    assert s["pins"] == 3 and s["pinned_now"] == 1 and s["reused"] + s["prefetched"] == 3 and s["lent_bytes"] == 160
+    assert k.prefetch([(64, 1)]) == 64  # every kept or pending block is taken: a new one
+    settle(k)
+    assert k.kept_bytes() == 64 and within_bound(k)  # unclaimed: kept
+    assert k.release() == 64 and freed == [(64, 1, None)]
+
+
+def test_an_acquire_waits_for_the_background_pin_of_its_size():
+    gate = threading.Event()
+    k, _, pinned = keeper(gate=gate)
+    k.prefetch([(32, 1)])
+    out = []
+    waiter = threading.Thread(target=lambda: out.append(k.acquire(32)))
+    waiter.start()
+    end = time.monotonic() + 10
+    while k.stats()["lent_bytes"] != 32 and time.monotonic() < end:
+        time.sleep(0.01)
+    s = k.stats()
+    assert s["lent_bytes"] == 32 and s["pending_bytes"] == 0 and not out  # claimed, still being pinned
+    gate.set()
+    waiter.join(10)
+    assert out[0].numel() == 32 and pinned == [32] and k.stats()["prefetched"] == 1 and within_bound(k)
+
+
+def test_prefetch_frees_the_kept_blocks_its_plan_does_not_use_first():
+    k, freed, _ = keeper()
+    a, b = k.acquire(10), k.acquire(20)
+    del a, b  # peak 30, kept 10 (older) and 20
+    k.prefetch([(20, 1), (25, 1)])  # 20 is kept; 25 is pinned: 55 > the 45 planned, the unplanned 10 goes
+    assert freed == [(10, 1, None)]
+    settle(k)
+    assert within_bound(k) and k.stats()["peak_bytes"] == 45
+
+
+def test_a_failed_background_pin_raises_host_memory_error_at_the_acquire_that_needs_it():
+    k, _, _ = keeper(fail=(48,))
+    k.prefetch([(48, 1)])
+    with pytest.raises(HostMemoryError, match="no memory for 48"):
+        k.acquire(48)
+    assert k.stats()["lent_bytes"] == 0 and k.kept_bytes() == 0
+    k.prefetch([(48, 1)])
+    settle(k)  # unclaimed and failed: nothing kept, the acquire tries again (and fails again, clearly)
+    with pytest.raises(HostMemoryError, match="no memory for 48"):
+        k.acquire(48)
+
+
+def test_release_storage_frees_kept_blocks_and_counts_them(monkeypatch):
+    k, freed, _ = keeper()
+    monkeypatch.setattr(recycling, "BLOCKS", k)
+    t = k.acquire(4096)
+    base = kept_storage_bytes()
+    del t
+    assert kept_storage_bytes() == base + 4096
+    assert release_storage() == base + 4096 and freed == [(4096, 1, None)] and kept_storage_bytes() == 0
+
+
+# ---- host tiers: exact bytes, the cap checked for every layer at the first layer ------------------------------------
+def test_host_capacity_steps_are_coarse_bounded_and_shared_by_nearby_sizes():
+    caps = [host_capacity(p) for p in range(1, 5000)]
+    assert all(p <= c <= max(p, p * 5 // 4) for p, c in zip(range(1, 5000), caps))
+    assert caps == sorted(caps) and all(host_capacity(c) == c for c in caps)
+    assert sorted(set(caps[1024:2048])) == [1280, 1536, 1792, 2048]  # pages 1025..2048: 4 sizes per doubling
+    assert room_capacity(100, None, 16, 0) == num_pages(115, 16) + 8
+    assert room_capacity(100, 200, 16, 0) == num_pages(215, 16)
+    assert room_capacity(100, None, 16, 64) is None
+
+
+def test_first_forward_checks_every_layers_host_tier_at_layer_0_on_exact_bytes():
+    cfg = tiny_config("llama", heads=4, kv_heads=2)
+    fc, _ = twin_models(cfg)
+    profile = HeadProfile.from_unstable(cfg, [(0, 0), (0, 1)])  # layer 0 offloads nothing, layer 1 both heads
+    ids = torch.randint(2, 96, (2, 40))
+    kw = dict(page_size=4, token_budget=16)
+    probe = FlexiCache(profile, **kw)
+    fc(ids, past_key_values=probe)
+    need = probe.host_bytes()
+    pages = room_capacity(40, None, 4, 0)
+    assert need == 2 * 2 * 2 * pages * 4 * 16 * 4  # K and V, 2 rows, 2 heads, fp32: no rounding
+    assert probe.layers[1].host_plan(40, torch.zeros(2, 2, 40, 16)) == []  # room already
+    exact = FlexiCache(profile, **kw, host_memory_limit=need)
+    fc(ids, past_key_values=exact)
+    assert exact.host_bytes() == need
+    short = FlexiCache(profile, **kw, host_memory_limit=need - 1)
+    with pytest.raises(HostMemoryError, match=r"need [0-9,]+ bytes, over host_memory_limit"):
+        fc(ids, past_key_values=short)
+    assert short.layers[0].seq_len == 0 and not short.guard.open  # refused at layer 0: nothing written anywhere
+
+
+@pytest.mark.parametrize("max_cache_len", [None, 70])
+def test_the_plan_predicts_every_layers_host_blocks(max_cache_len):
+    cfg = tiny_config("llama", heads=4, kv_heads=2, layers=3)
+    fc, _ = twin_models(cfg)
+    cache = FlexiCache(HeadProfile.random(cfg, 0.5, seed=4), page_size=4, token_budget=16, max_cache_len=max_cache_len)
+    keys = torch.zeros(2, 2, 30, 16)
+    plans = [layer.host_plan(30, keys) for layer in cache.layers]
+    before = block_keeper.BLOCKS.stats()["pins"]
+    fc(torch.randint(2, 96, (2, 30)), past_key_values=cache)
+    assert [sum(n for n, _ in plan) for plan in plans] == [layer.host_bytes() for layer in cache.layers]
+    assert [plan[0][1] if plan else 0 for plan in plans] == [  # the run: one page of one (row, head), page-major
+        layer.storage.host.k[0, 0, 0].nbytes if layer.storage.host.k is not None else 0 for layer in cache.layers]
+    assert block_keeper.BLOCKS.stats()["pins"] == before  # off CUDA nothing is page-locked
+    assert any(plans) and all(len(plan) in (0, 2) for plan in plans)  # K and V of each layer that offloads
