@@ -110,7 +110,7 @@ def test_full_budget_equals_sdpa(group, D, dtype, B, L, ps):
 def test_minmax_scores_select_match_reference(dtype, H, group, D, combine):
     from flexicache_hf.kernels import reference as R
     from flexicache_hf.kernels import TRITON_OPS
-    from flexicache_hf.kernels.select import select_pages_triton
+    from flexicache_hf.kernels.select import select_pages as select_pages_triton
 
     torch.manual_seed(0)
     B, ps, T = 4, 16, 10_000 - 5  # partly filled last page
