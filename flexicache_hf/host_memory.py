@@ -37,6 +37,7 @@ import torch
 
 PAGE = mmap.PAGESIZE
 MADV_POPULATE_WRITE = 23  # <linux/mman.h> (asm-generic), Linux 5.14+; not in Python's mmap module
+MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # <linux/mman.h> (x86, arm64); not in every Python
 SPLIT_ABOVE = 2 << 30  # a block larger than this that one registration refuses is registered in pieces
 PIECE = 1 << 30  # the most one piece of such a block covers
 
@@ -100,9 +101,12 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 _populate_write = [True]  # whether the kernel has MADV_POPULATE_WRITE (a probe's result, learnt once)
 
 
-def map_anonymous(nbytes: int, hugepages: bool | None = None) -> int:
-    """The address of a new private anonymous read-write mapping of ``nbytes`` (page-aligned, not yet populated)."""
-    addr = _libc.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+def map_anonymous(nbytes: int, hugepages: bool | None = None, reserve: bool = True) -> int:
+    """The address of a new private anonymous read-write mapping of ``nbytes`` (page-aligned, not yet populated).
+    ``reserve=False`` maps with ``MAP_NORESERVE``: address space only, no swap or overcommit charge until populated
+    (:class:`~flexicache_hf.vmm.HostRange` reserves a whole context this way)."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (0 if reserve else MAP_NORESERVE)
+    addr = _libc.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
     if addr is None or addr == _MAP_FAILED:
         err = ctypes.get_errno()
         raise HostMemoryError(f"mapping {format_bytes(nbytes)} of host memory failed: {os.strerror(err)}")
@@ -115,6 +119,12 @@ def unmap(addr: int, nbytes: int) -> None:
     """Give a mapping made by :func:`map_anonymous` back to the OS."""
     if _libc.munmap(addr, nbytes) != 0:
         warnings.warn(f"FlexiCache: munmap of {format_bytes(nbytes)} failed: {os.strerror(ctypes.get_errno())}")
+
+
+def discard(addr: int, nbytes: int) -> None:
+    """Give the pages of ``[addr, addr + nbytes)`` back to the OS, keeping the mapping (``MADV_DONTNEED``: they read
+    as zeros when touched again)."""
+    _libc.madvise(addr, nbytes, mmap.MADV_DONTNEED)
 
 
 def populate_span(addr: int, nbytes: int) -> None:

@@ -162,7 +162,7 @@ class Reranker:
                 raise ValueError("ranking pages by the exact attention mass needs the layer's keys")
             k_pool, page_table, valid_lo, seq_len = keys
             scores = reference.exact_page_mass(query, k_pool, page_table, heads, num_pages, valid_lo, seq_len,
-                                               scale, active, lse=ops.page_lse)
+                                               scale, active, lse=ops.page_lse, mass=ops.group_mass)
         else:
             scores = ops.page_scores(query, kmin, kmax, heads, num_pages, active, group_score, scale, shrink)
         return force_pages(scores, num_pages, self.sink_pages, self.recent_pages, self.first_page)

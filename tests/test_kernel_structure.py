@@ -65,3 +65,18 @@ def test_select_is_one_kernel_for_every_width_without_spills():
            "h": "i32", "s_sr": "i32", "BLOCK": "constexpr", "BLOCK_K": "constexpr"}
     ptx = ptx_of(_select_pages_kernel, sig, {"BLOCK": 1024, "BLOCK_K": 256}, num_warps=8, aligned=("s_sr",))
     assert ".local" not in ptx  # every block's keys, the histogram and the prefix sums stay in registers / shared
+
+
+def test_group_mass_compiles_for_sm90_without_spills():
+    """The "mass" combine at Llama-8B's group (G = 4) as the wrapper launches it: it compiles for sm_90 (the
+    interpreter accepts what the compiler refuses, e.g. a global float read in the kernel) and keeps its
+    4096-score tiles in registers."""
+    from flexicache_hf.kernels.mass import TILE_ELEMENTS, _group_mass_kernel
+
+    sig = {"s_ptr": "*fp32", "out_ptr": "*fp32", "num_pages_ptr": "*i64", "active_ptr": "*i1", "scale": "fp32",
+           "width": "i32", "n_sel": "i32", "s_sb": "i32", "s_sh": "i32", "s_sg": "i32", "s_sp": "constexpr",
+           "GROUP": "constexpr", "G_PAD": "constexpr", "BLOCK_P": "constexpr"}
+    const = {"s_sp": 1, "GROUP": 4, "G_PAD": 4, "BLOCK_P": TILE_ELEMENTS // 4}
+    ptx = ptx_of(_group_mass_kernel, sig, const, num_warps=4, aligned=("s_sb", "s_sh", "s_sg"))
+    assert "ld.local" not in ptx and "st.local" not in ptx  # no register spills
+    assert "ex2.approx" in ptx  # the softmax's exponentials on the SFU

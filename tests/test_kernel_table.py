@@ -18,6 +18,7 @@ SCHEMAS = {
                    "str combine, float scale, float shrink) -> Tensor",
     "page_lse": "(Tensor query, Tensor k_pool, Tensor page_table, Tensor heads, Tensor num_pages, Tensor valid_lo, "
                 "Tensor seq_len, float scale) -> Tensor",
+    "group_mass": "(Tensor scores, float scale, Tensor? num_pages, Tensor? active) -> Tensor",
     "select_pages": "(Tensor scores, SymInt k, Tensor num_pages, Tensor active, Tensor(a4!) out) -> ()",
     "sparse_decode": "(Tensor query, Tensor k_pool, Tensor v_pool, Tensor page_table, Tensor pages, "
                      "Tensor valid_lo, Tensor seq_len, float scale) -> Tensor",
@@ -32,8 +33,8 @@ SCHEMAS = {
 
 def test_each_row_is_a_field_of_every_backend_and_its_op_keeps_its_schema():
     names = [k.name for k in KERNELS]
-    assert names == ["minmax_update", "append_token", "page_scores", "page_lse", "select_pages", "sparse_decode",
-                     "copy_pages", "copy_kv_pages", "copy_rows", "reseat_slots", "place_page"]
+    assert names == ["minmax_update", "append_token", "page_scores", "page_lse", "group_mass", "select_pages",
+                     "sparse_decode", "copy_pages", "copy_kv_pages", "copy_rows", "reseat_slots", "place_page"]
     assert [f.name for f in KernelOps.__dataclass_fields__.values()] == ["name", *names]
     assert set(OPS) == set(SCHEMAS)
     for name, schema in SCHEMAS.items():
@@ -93,3 +94,33 @@ def test_traced_calls_bind_like_the_reference():
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     assert bool((got[1][:, 1] == -7).all())  # the inactive head's row of `out` is left as it was
+
+
+def test_group_mass_traces_as_its_op_with_or_without_count_and_rows():
+    """The exact ranking's combine (``KernelOps.group_mass``) reaches its op while traced, the optional page count
+    and active rows as ``Tensor?``; the reference masks pages past the count and inactive rows to -inf."""
+    g = torch.Generator().manual_seed(1)
+    s = torch.randn(2, 3, 4, 10, generator=g)
+    s[0, 0, :, 2] = float("-inf")
+    n, active = torch.tensor([7]), torch.tensor([True, False, True])
+
+    def step(ops):
+        return ops.group_mass(s, 0.5), ops.group_mass(s, 0.5, n, active)
+
+    traced = []
+
+    def backend(gm, example_inputs):
+        traced.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    want = step(REFERENCE_OPS)
+    torch._dynamo.reset()
+    got = torch.compile(step, backend=backend, fullgraph=True)(REFERENCE_OPS)
+    assert traced == ["flexicache.group_mass.default"] * 2
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    full, part = want
+    assert bool(torch.isneginf(part[..., 7:]).all()) and bool(torch.isneginf(part[:, 1]).all())
+    assert torch.isneginf(full[0, 0, 2]) and torch.allclose(full.clamp_min(0).sum(-1), torch.tensor(4.0))
+    short = reference.group_mass(s[..., :7], 0.5)
+    torch.testing.assert_close(part[:, [0, 2], :7], short[:, [0, 2]], rtol=1e-6, atol=0)  # as a slice would

@@ -629,3 +629,71 @@ else:
         empty = page_lse(q[:0], k_pool, table[:0], torch.tensor([0]), torch.tensor([n]), valid_lo[:0],
                          torch.tensor([L]), scale)
         assert empty.shape == (0, 1, group, cap)
+
+    # ---- group_mass ------------------------------------------------------------------------------------
+    def mass_scores(B, h, G, P, seed):
+        """Per-query-head scores with -inf holes, one row with nothing scorable, one query head with nothing
+        scorable in another row, and one page no query head scores."""
+        g = torch.Generator().manual_seed(seed)
+        s = torch.randn(B, h, G, P, generator=g) * 4
+        s[torch.rand(B, h, G, P, generator=g) < 0.3] = float("-inf")
+        s[0, 1] = float("-inf")
+        s[1, 0, 0] = float("-inf")
+        s[1, h - 1, :, 3] = float("-inf")
+        return s
+
+    def assert_mass_equal(ours, ref):
+        assert ours.dtype == torch.float32 and ours.shape == ref.shape and not ours.isnan().any()
+        assert torch.equal(torch.isneginf(ours), torch.isneginf(ref))
+        fin = torch.isfinite(ref)
+        torch.testing.assert_close(ours[fin], ref[fin], rtol=1e-5, atol=1e-7)
+
+    @pytest.mark.parametrize("G", [1, 4, 7])
+    @pytest.mark.parametrize("P", [37, 100])
+    def test_group_mass_matches_reference(G, P):
+        """Tiles of 16 pages (P not a multiple: a partial last block), the page count short of the row, past it
+        or absent, inactive rows (nothing read: NaN there would show), a non-contiguous view."""
+        from flexicache_hf.kernels.mass import group_mass
+
+        B, h = 2, 3
+        s = mass_scores(B, h, G, P, seed=G * 1000 + P)
+        active = torch.tensor([True, False, True])
+        poisoned = s.clone()
+        poisoned[:, 1] = float("nan")  # the inactive row's scores
+        for count in (None, P - 17, P, P + 5, 1, 0):
+            n = None if count is None else torch.tensor([count])
+            for act in (None, active):
+                ref = R.group_mass(s, 0.7, n, act)
+                for block_p in (None, 16):
+                    ours = group_mass(s if act is None else poisoned, 0.7, n, act, block_p=block_p)
+                    assert_mass_equal(ours, ref)
+                    if count is not None and count < P:
+                        assert bool(torch.isneginf(ours[..., count:]).all())
+                    if act is not None:
+                        assert bool(torch.isneginf(ours[:, 1]).all())
+        assert bool(torch.isneginf(R.group_mass(s, 0.7)[0, 1]).all())  # a row with nothing scorable
+        view = s.transpose(2, 3).contiguous().transpose(2, 3)  # pages the outer stride
+        assert_mass_equal(group_mass(view, 1.3, torch.tensor([P - 2]), block_p=16),
+                          R.group_mass(s, 1.3, torch.tensor([P - 2])))
+        assert group_mass(s[:, :0], 0.7).shape == (B, 0, P)
+
+    def test_group_mass_is_what_the_triton_backend_and_its_callers_use():
+        """KernelOps.group_mass, the "mass" page scores and the exact mass (page_lse + group_mass) on the Triton
+        backend equal the reference's."""
+        from flexicache_hf.kernels import REFERENCE_OPS
+        from flexicache_hf.kernels.mass import group_mass
+
+        assert TRITON_OPS.group_mass.eager is group_mass
+        g = torch.Generator().manual_seed(9)
+        B, H, G, D, ps, L = 2, 3, 4, 16, 4, 29
+        n = -(-L // ps)
+        cap, N = n + 3, 1 + B * H * (n + 3)
+        k_pool = torch.randn(N, ps, D, generator=g)
+        table = (1 + torch.randperm(N - 1, generator=g)).view(B, H, cap).int()
+        q = torch.randn(B, H * G, D, generator=g)
+        args = (q, k_pool, table, torch.tensor([2, 0, 1]), torch.tensor([n]), torch.tensor([0, 5]), torch.tensor([L]))
+        active = torch.tensor([True, False, True])
+        got = [R.exact_page_mass(*args, 0.25, active, lse=ops.page_lse, mass=ops.group_mass)
+               for ops in (TRITON_OPS, REFERENCE_OPS)]
+        assert_mass_equal(*got)
+        assert bool(torch.isneginf(got[0][:, 1]).all()) and bool(torch.isneginf(got[0][..., n:]).all())

@@ -94,20 +94,32 @@ def check_combine(combine: str) -> None:
         raise ValueError(f"combine must be one of {GROUP_SCORES}, got {combine!r}")
 
 
-def group_mass(bounds: torch.Tensor, scale: float) -> torch.Tensor:
-    """``bounds [B, h, G, P]`` (per query head; -inf = not scorable) -> ``[B, h, P]``: each query head's bounds
-    as an estimated attention distribution over the pages (``softmax_p(scale * bound)``), summed over the group.
+def group_mass(
+    scores: torch.Tensor,  # [B, h, G, P] float32 per query head; -inf = not scorable
+    scale: float,  # applied to the scores before the softmax (1.0 for log-sum-exps of scaled logits)
+    num_pages: torch.Tensor | None = None,  # [1] int64 pages that exist (None: P); entries past it are ignored
+    active: torch.Tensor | None = None,  # [h] bool rows to combine (None: all); inactive rows are -inf
+) -> torch.Tensor:  # [B, h, P] float32
+    """Each query head's scores as an estimated attention distribution over the pages (``softmax_p(scale *
+    score)``), summed over the KV head's group of query heads.
 
     The oracle's objective is the group's summed attention mass per page; a softmax per query head puts every
     head on the same footing (each contributes a distribution summing to 1), where the raw maximum lets the head
-    with the largest query norm decide the ranking for the whole group.  Rows with nothing scorable stay -inf.
+    with the largest query norm decide the ranking for the whole group.  A page no query head of the group can
+    score, a page at or past ``num_pages`` and every page of an inactive row is -inf.
     """
-    s = bounds * scale
+    if num_pages is not None:  # pages past the count take no part (masked, not sliced: no host sync)
+        p = torch.arange(scores.shape[-1], device=scores.device)
+        scores = scores.masked_fill(p >= num_pages.to(scores.device).reshape(-1)[:1], NEG_INF)
+    s = scores * scale
     top = s.amax(-1, keepdim=True)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     e = torch.exp(s - top)  # -inf -> 0
     mass = (e / e.sum(-1, keepdim=True).clamp_min(torch.finfo(e.dtype).tiny)).sum(2)
-    return mass.masked_fill(~torch.isfinite(bounds).any(2), NEG_INF)
+    mass = mass.masked_fill(~torch.isfinite(scores).any(2), NEG_INF)
+    if active is not None:
+        mass = mass.masked_fill(~active.to(mass.device)[None, :, None], NEG_INF)
+    return mass
 
 
 def check_shrink(shrink: float) -> None:
@@ -215,16 +227,14 @@ def page_lse(
 
 
 def exact_page_mass(query, k_pool, page_table, heads, num_pages, valid_lo, seq_len, scale: float | None = None,
-                    active: torch.Tensor | None = None, lse=page_lse) -> torch.Tensor:
+                    active: torch.Tensor | None = None, lse=page_lse, mass=group_mass) -> torch.Tensor:
     """``[B, h, P_cap]``: the exact attention mass of each page summed over the KV head's group (a softmax per
     query head over every valid token of the head, the new one included), ``-inf`` where no token is valid and on
     inactive heads.  ``scale``: the attention's softmax scale (None: D ** -0.5, as :func:`page_scores`).
-    ``lse``: the :func:`page_lse` implementation (the reference's or a device kernel)."""
+    ``lse`` / ``mass``: the :func:`page_lse` and :func:`group_mass` implementations (the reference's or a
+    backend's: ``KernelOps.page_lse`` / ``KernelOps.group_mass``)."""
     scale = query.shape[-1] ** -0.5 if scale is None else scale
-    mass = group_mass(lse(query, k_pool, page_table, heads, num_pages, valid_lo, seq_len, scale), 1.0)
-    if active is not None:
-        mass = mass.masked_fill(~active.to(mass.device)[None, :, None], NEG_INF)
-    return mass
+    return mass(lse(query, k_pool, page_table, heads, num_pages, valid_lo, seq_len, scale), 1.0, num_pages, active)
 
 
 def select_pages(

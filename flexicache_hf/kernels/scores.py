@@ -18,6 +18,7 @@ import triton.language as tl
 
 from . import reference
 from ._util import pow2
+from .mass import group_mass
 
 
 @triton.jit(do_not_specialize=["width", "n_sel", "near", "far"])
@@ -26,7 +27,7 @@ def _page_scores_kernel(
     kmin_ptr,  # [B, H, P_cap, D]
     kmax_ptr,  # [B, H, P_cap, D] (same strides as kmin)
     heads_ptr,  # [h] int64 KV heads to score
-    active_ptr,  # [h] bool: score this head now (False: its row is all -inf, nothing is read)
+    active_ptr,  # [h] bool: score this head now (False: nothing is read; a group maximum's row is all -inf)
     num_pages_ptr,  # [1] int64 pages that exist (read on the device: graph replays see the current count)
     out_ptr,  # [B, h, width] float32, contiguous
     width,  # pages per output row (>= num_pages; -inf past num_pages)
@@ -50,13 +51,10 @@ def _page_scores_kernel(
     if (active == 0) | (pid_p * BLOCK_P >= tl.load(num_pages_ptr)):
         # A head not scored now (a stable head between its re-ranks, in a compiled step that launches every head),
         # or a block past the pages that exist (rows reserved for the whole context): -inf and nothing else read,
-        # so such programs end after one store.
-        none = tl.full([BLOCK_P], float("-inf"), tl.float32)
+        # so such programs end after one store.  The per-query-head bounds ("mass") are left unwritten:
+        # group_mass reads nothing of an inactive row or past the page count.
         if GROUP_MAX:
-            tl.store(out_ptr + bj * width + p, none, mask=p < width)
-        else:
-            for g in tl.static_range(GROUP):
-                tl.store(out_ptr + (bj * GROUP + g) * width + p, none, mask=p < width)
+            tl.store(out_ptr + bj * width + p, tl.full([BLOCK_P], float("-inf"), tl.float32), mask=p < width)
     else:
         _score_tile(q_ptr, kmin_ptr, kmax_ptr, heads_ptr, num_pages_ptr, out_ptr, p, b, j, bj, width, near, far,
                     s_qb, s_qh, s_qd, s_mb, s_mh, s_mp, s_md, GROUP, GROUP_MAX, SHRUNK, D, BLOCK_D, BLOCK_P)
@@ -120,7 +118,8 @@ def page_scores(
     num_warps: int | None = None,  # None = 8 for D >= 128, else 4
 ) -> torch.Tensor:  # [B, h, num_pages or P_cap] float32
     """Same contract as :func:`reference.page_scores`; ``combine="mass"`` stores every query head's bound and
-    combines them with the reference's :func:`~flexicache_hf.kernels.reference.group_mass`."""
+    combines them with :func:`.mass.group_mass` (the Triton twin of the reference's ``group_mass``: one more
+    launch, which reads only the pages that exist of the active heads)."""
     reference.check_combine(combine)
     reference.check_shrink(shrink)
     B, Hq, D = query.shape
@@ -152,4 +151,4 @@ def page_scores(
     )
     if group_max:
         return out
-    return reference.group_mass(out, D ** -0.5 if scale is None else scale)
+    return group_mass(out, D ** -0.5 if scale is None else scale, num_pages, active)

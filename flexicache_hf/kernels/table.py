@@ -62,6 +62,10 @@ def _lse_like(query, k_pool, page_table, heads, *_):
     return query.new_empty((query.shape[0], heads.shape[0], group, page_table.shape[2]), dtype=torch.float32)
 
 
+def _mass_like(scores, *_):
+    return scores.new_empty((scores.shape[0], scores.shape[1], scores.shape[3]), dtype=torch.float32)
+
+
 def _attention_like(query, *_):
     return torch.empty_like(query)
 
@@ -87,6 +91,10 @@ KERNELS = (
     Kernel("page_lse", reference.page_lse, "page_lse",
            "(Tensor query, Tensor k_pool, Tensor page_table, Tensor heads, Tensor num_pages, Tensor valid_lo, "
            "Tensor seq_len, float scale) -> Tensor", _lse_like),
+    # The "mass" combine of a group's per-query-head scores (page_scores' bounds, page_lse's exact log-sum-exps):
+    # one launch where the reference is ~8 ops over [B, h, G, P], and nothing read on inactive rows.
+    Kernel("group_mass", reference.group_mass, "mass",
+           "(Tensor scores, float scale, Tensor? num_pages, Tensor? active) -> Tensor", _mass_like),
     # A Triton radix select rather than torch.topk + sort + padding (the reference): the earlier in-register select
     # beat it at every benchmark shape on the H200, 7-24 us vs 38-94 us for 8-512 rows of 625-1875 pages
     # (docs/benchmarks/decode.md, rerank.json).  The select walks only each row's live pages, rows of any width.

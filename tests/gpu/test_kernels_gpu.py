@@ -110,7 +110,7 @@ def test_full_budget_equals_sdpa(group, D, dtype, B, L, ps):
 def test_minmax_scores_select_match_reference(dtype, H, group, D, combine):
     from flexicache_hf.kernels import reference as R
     from flexicache_hf.kernels import TRITON_OPS
-    from flexicache_hf.kernels.select import select_pages_triton
+    from flexicache_hf.kernels.select import select_pages as select_pages_triton
 
     torch.manual_seed(0)
     B, ps, T = 4, 16, 10_000 - 5  # partly filled last page
@@ -166,6 +166,45 @@ def test_page_lse_and_exact_mass_match_reference(group, D, dtype, L):
         want = R.exact_page_mass(q, k_pool, table, heads, n, valid_lo, length, D ** -0.5)
         assert torch.equal(torch.isneginf(mass), torch.isneginf(want))
         torch.testing.assert_close(mass[torch.isfinite(want)], want[torch.isfinite(want)], rtol=2e-2, atol=1e-5)
+@pytest.mark.parametrize("G", [1, 4, 7])
+def test_group_mass_matches_reference_at_llama_scale(G):
+    """The "mass" combine at batch 16 x 6 heads x 2048 pages (16k tokens at 8-token pages; G = 4: Llama-8B's
+    group): -inf holes, a row with nothing scorable, the page count short of the row, inactive rows (NaN there:
+    nothing read), a shuffled top-K identical to the reference's; and the two passes' launch under a CUDA graph
+    replayed with a new page count."""
+    from flexicache_hf.kernels import reference as R
+    from flexicache_hf.kernels import TRITON_OPS
+
+    g = torch.Generator(device=DEV).manual_seed(G)
+    B, h, P, scale = 16, 6, 2048, 128 ** -0.5
+    s = torch.randn(B, h, G, P, generator=g, device=DEV) * 8
+    s[torch.rand(B, h, G, P, generator=g, device=DEV) < 0.2] = float("-inf")
+    s[3, 2] = float("-inf")
+    active = torch.tensor([True, True, False, True, True, False], device=DEV)
+    poisoned = s.clone()
+    poisoned[:, ~active] = float("nan")
+    for count, act, src in ((P, None, s), (P - 301, None, s), (1500, active, poisoned), (1, active, poisoned)):
+        n = torch.tensor([count], device=DEV)
+        ours = TRITON_OPS.group_mass(src, scale, n, act)
+        ref = R.group_mass(s, scale, n, act)
+        assert torch.equal(torch.isneginf(ours), torch.isneginf(ref)) and not ours.isnan().any()
+        fin = torch.isfinite(ref)
+        torch.testing.assert_close(ours[fin], ref[fin], rtol=1e-5, atol=1e-8)
+        k = 128
+        assert torch.equal(TRITON_OPS.select_pages(ours, k, num_pages=n), R.select_pages(ref, k, num_pages=n))
+    n = torch.tensor([P], device=DEV)
+    out = TRITON_OPS.group_mass(s, scale, n, active)  # warm up (compile) before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = TRITON_OPS.group_mass(s, scale, n, active)
+    n.fill_(777)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = R.group_mass(s, scale, n, active)
+    assert torch.equal(torch.isneginf(out), torch.isneginf(ref))
+    torch.testing.assert_close(out[torch.isfinite(ref)], ref[torch.isfinite(ref)], rtol=1e-5, atol=1e-8)
+
+
 @pytest.mark.parametrize("P,k", [(625, 64), (1875, 128), (2048, 130), (40, 64), (20000, 64)])
 def test_select_pages_large(P, k):
     from flexicache_hf.kernels import reference as R
