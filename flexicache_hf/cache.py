@@ -32,7 +32,9 @@ from .layer.schedule import DecodeState, state_for_device
 from .model_check import check_served
 from .stats import CacheAccounting, CacheStats
 from .tiers import check_host_limit
+from .pages import room_pages
 from .recycling import KEEPER, storage_key
+from .reserve import before_step, compileable_unsized, make_room
 from .settings import resolve_settings
 from .rerank import SelectionObserver
 
@@ -158,6 +160,7 @@ class FlexiCache(CacheAccounting, Cache):
         self.check_length(start + T)
         if layer_idx == 0:  # every layer's host tier, before any layer grows
             plan_host(self.layers, start + T, key_states, self.tp_size, self.config.host_memory_limit)
+            make_room(self, room_pages(start + T, self.config.page_size), key_states.device)  # reserve.py
         # (room only: the tokens stay as they are; the other layers' host bytes are summed only when it grows)
         layer.grow(start + T, self.host_bytes() - layer.host_bytes() if layer.grows(start + T) else 0)
         self.guard.begin(layer_idx, "update", empty=start == 0)  # validated: from here on storage changes
@@ -253,7 +256,7 @@ class FlexiCache(CacheAccounting, Cache):
     def is_compileable(self) -> bool:
         """Whether ``generate`` may compile (and CUDA-graph) the decode step, as for StaticCache: with a ``max_cache_len``
         (fixed addresses), the GPU kernels and no observer (told of every re-rank on the host)."""
-        return self.max_tokens is not None and self.kernels is None and self.observer is None
+        return (self.max_tokens is not None or compileable_unsized()) and self.kernels is None and self.observer is None
 
     def decode_state(self, device: torch.device) -> DecodeState:
         """The step schedule all layers on ``device`` share (made for the first layer to allocate there)."""
@@ -273,7 +276,8 @@ class FlexiCache(CacheAccounting, Cache):
         """The layer's ``(kv_length, kv_offset)``; asked eagerly before every step ``generate`` runs, even a compiled
         one, so a sized cache refuses here the tokens that would not fit (:func:`~flexicache_hf.lengths.check_room`)."""
         if not torch.compiler.is_compiling():
-            check_room(self, query_length.shape[0] if isinstance(query_length, torch.Tensor) else query_length)
+            before_step(self, query_length.shape[0] if isinstance(query_length, torch.Tensor) else query_length,
+                        check_room)
         return super().get_mask_sizes(query_length, layer_idx)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

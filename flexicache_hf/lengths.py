@@ -29,9 +29,9 @@ def check_room(cache, tokens: int) -> None:
     (``DecodeState.surely_fits``, no synchronisation), and only when that count says these tokens might not fit does
     it synchronise once to learn the exact length.  So a generate that fits never waits for the GPU here, and a
     refusal is decided on the exact length.  Nothing is checked during a forward (a mask asked for mid-forward),
-    before the first one, or for a cache without ``max_cache_len``."""
-    if cache.max_tokens is None or not cache.states or cache.guard.open:
-        return
+    before the first one, or for a growing cache (neither ``max_cache_len`` nor reserved storage)."""
+    if not cache.states or cache.guard.open or any(state.capacity is None for state in cache.states.values()):
+        return  # (a schedule's capacity: max_cache_len, or the context of reserved storage, reserve.py)
     if not all(state.surely_fits(tokens) for state in cache.states.values()):
         cache.sync()  # the exact length (raises OverflowError if a step already went past: the device's flag)
         cache.check_length(cache.layers[0].seq_len + tokens)

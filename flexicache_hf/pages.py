@@ -162,13 +162,14 @@ class PagePool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        into: dict | None = None,  # the k / v tensors to use (reserved storage, zeros where committed)
     ):
         self.layout = layout
         self.full_heads, self.slot_heads = full_heads, slot_heads
         self.page_size, self.head_dim = page_size, head_dim
         shape = (layout.num_physical, page_size, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = torch.zeros(shape, dtype=dtype, device=device) if into is None else into["k"]
+        self.v = torch.zeros(shape, dtype=dtype, device=device) if into is None else into["v"]
         self._set_table_buffer(torch.zeros((layout.batch, num_kv_heads, layout.page_capacity), dtype=torch.int32,
                                            device=device))
         self.page_table[:, full_heads] = layout.full_ids(device).int()
@@ -217,30 +218,34 @@ class PagePool:
             span.rows(out).copy_(span.pages(src))
         return out
 
-    def grow(self, page_capacity: int, slots: int) -> None:
+    def grow(self, page_capacity: int, slots: int, into: dict | None = None, keep: int | None = None) -> None:
         """Larger buffers for a larger logical capacity (and up to ``slots`` slots per offloaded head), keeping every
         stored page: slot ``j`` of a head stays slot ``j``, and the full region (page-major) is copied whole to the
         same place relative to its base, the new pages appended after it.  Without new slots the old pool is the
-        new one's prefix (the null page aside: zeros, never read)."""
+        new one's prefix (the null page aside: zeros, never read).  ``into``: the new ``k`` / ``v`` tensors (reserved
+        storage, laid out for exactly ``page_capacity`` pages, zeros where committed); only the pages that fit are
+        copied, and only those are touched."""
         old = self.layout
-        if page_capacity <= old.page_capacity and slots <= old.slots:
+        if into is None and page_capacity <= old.page_capacity and slots <= old.slots:
             return
-        new = PoolLayout(old.batch, old.num_slot_heads, max(slots, old.slots), old.num_full_heads,
-                         max(page_capacity, old.page_capacity))
+        cap = page_capacity if into is not None else max(page_capacity, old.page_capacity)
+        new = PoolLayout(old.batch, old.num_slot_heads, max(slots, old.slots), old.num_full_heads, cap)
         dev, page = self.device, (self.page_size, self.head_dim)
         n_slots = old.batch * old.num_slot_heads
+        keep = min(old.page_capacity, cap, old.page_capacity if keep is None else keep)  # logical pages copied
+        full = keep * old.batch * old.num_full_heads
         for name in ("k", "v"):
             pool = getattr(self, name)
-            grown = torch.zeros((new.num_physical, *page), dtype=pool.dtype, device=dev)
+            grown = torch.zeros((new.num_physical, *page), dtype=pool.dtype, device=dev) if into is None else into[name]
             if old.slots == new.slots:
                 grown[1 : old.full_base] = pool[1 : old.full_base]
             elif old.slots:
                 src = pool[1 : old.full_base].view(n_slots, old.slots, *page)
                 grown[1 : new.full_base].view(n_slots, new.slots, *page)[:, : old.slots] = src
-            grown[new.full_base : new.full_base + old.num_physical - old.full_base] = pool[old.full_base :]
+            grown[new.full_base : new.full_base + full] = pool[old.full_base : old.full_base + full]
             setattr(self, name, grown)
         table = torch.zeros((new.batch, self.page_table.shape[1], new.page_capacity), dtype=torch.int32, device=dev)
-        table[:, :, : old.page_capacity] = self.page_table
+        table[:, :, :keep] = self.page_table[:, :, :keep]
         table[:, self.full_heads] = new.full_ids(dev).int()
         self._set_table_buffer(table)
         self.layout = new

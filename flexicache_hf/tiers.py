@@ -218,6 +218,18 @@ class HostTier:
         self._set(k, v)  # the old blocks go back to their keeper (nothing else views them)
         self.page_capacity = cap
 
+    def adopt(self, k: torch.Tensor, v: torch.Tensor, k_dev: torch.Tensor | None, v_dev: torch.Tensor | None) -> None:
+        """Hold the reserved-storage views ``k`` / ``v`` (``[pages, B, heads, page_size, D]``; ``*_dev``: their CUDA
+        views), the tokens held copied into their prefix (:mod:`~flexicache_hf.reserve`)."""
+        cap = k.shape[0]
+        if self.k is not None:
+            self.copies.synchronize()
+            n = min(self.page_capacity, cap)
+            k[:n].copy_(self.k[:n])
+            v[:n].copy_(self.v[:n])
+        self.k, self.v, self.k_dev, self.v_dev = k, v, k_dev, v_dev
+        self.page_capacity = cap
+
     def _set(self, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k, self.v = k, v
         if self.pinned:

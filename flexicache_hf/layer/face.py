@@ -101,6 +101,15 @@ class FlexiCacheLayer(CacheLayerMixin):
         if self.spec.max_tokens is not None and self.storage.page_capacity != before:
             self.mark_static()  # allocated once, at a fixed address: a captured decode step may use them
 
+    def reserve(self, context: int, need: int) -> None:
+        """Room for ``need`` pages in storage reserved for ``context`` tokens (:mod:`~flexicache_hf.reserve`): fixed
+        addresses from the first call, so a captured decode step may use the buffers."""
+        first = self.storage.reserved is None
+        self.storage.reserve(context, need, self.stored_end)
+        if first:
+            self.reranker.fit(self.storage.page_capacity)
+            self.mark_static()
+
     def buffers(self) -> list[torch.Tensor]:
         """Every device tensor a decode step reads or writes (fixed addresses once allocated for max_cache_len)."""
         return self.storage.buffers() + self.reranker.buffers()
@@ -181,10 +190,12 @@ class FlexiCacheLayer(CacheLayerMixin):
     def get_mask_sizes(self, query_length) -> tuple[int, int]:
         if isinstance(query_length, torch.Tensor):  # older transformers pass cache_position
             query_length = query_length.shape[0]
-        if query_length == 1 and self.spec.compileable:
+        reserved = self.storage.reserved if self.is_initialized else None
+        if query_length == 1 and self.spec.compileable and (self.spec.max_tokens or reserved) is not None:
             # A decode step of a cache that may be graphed: the mask spans the whole fixed capacity (as
-            # StaticCache's), so its shape never changes.  Decode reads padding from the prompt, not this mask.
-            return self.spec.max_tokens, 0
+            # StaticCache's; reserved storage: the context), so its shape never changes.  Decode reads padding
+            # from the prompt, not this mask.
+            return self.spec.max_tokens or reserved.tokens, 0
         if self.is_initialized:
             self.state.sync()
             self.catch_up()
@@ -200,7 +211,7 @@ class FlexiCacheLayer(CacheLayerMixin):
         stays held too).  A growing layer drops everything."""
         if self.is_initialized:
             self.storage.copies.synchronize()  # queued copies must not land in host blocks handed to another cache
-            if self.spec.max_tokens is not None and self.storage.page_capacity:
+            if (self.spec.max_tokens is not None or self.storage.reserved is not None) and self.storage.page_capacity:
                 self.storage.clear()
                 self.reranker.clear()
                 self.seq_len = 0
@@ -254,7 +265,7 @@ class FlexiCacheLayer(CacheLayerMixin):
         return self.storage.nbytes() + self.reranker.selected.nbytes
 
     def host_bytes(self) -> int:
-        return self.storage.host.nbytes() if self.is_initialized else 0
+        return self.storage.host_bytes() if self.is_initialized else 0
 
     def host_plan(self, end: int, key_states: torch.Tensor, tp_size: int | None = None) -> list[tuple[int, int]]:
         """The ``(bytes, run)`` of the host blocks this layer allocates to make room for ``end`` tokens (``[]``: none):

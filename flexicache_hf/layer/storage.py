@@ -8,12 +8,15 @@ the host bytes the other layers hold): storage never asks its cache.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from ..config import FlexiCacheConfig
 from ..kernels import KernelOps
-from ..pages import PagePool, PoolLayout, room_capacity
-from ..tiers import CopyStream, HostTier, SlotTable, copy_context, offload_page
+from ..pages import PagePool, PoolLayout, num_pages, room_capacity, room_pages
+from ..reserve import Reservation, target_pages
+from ..tiers import CopyStream, HostTier, SlotTable, copy_context, offload_page, tier_block
 
 
 class LayerStorage:
@@ -50,6 +53,7 @@ class LayerStorage:
         self.copies_pending = False
         self.prefetched = None  # (end, keys, values) of a prefix read started ahead (prefill.prefetch_prefix)
         self.host_current = True  # the host tier holds every token of the offloaded heads (nothing to flush)
+        self.reserved: Reservation | None = None  # reserved storage (reserve.py): the ranges behind the buffers
 
     @property
     def offloads(self) -> bool:
@@ -59,6 +63,11 @@ class LayerStorage:
     @property
     def page_capacity(self) -> int:
         return self.pool.layout.page_capacity
+
+    @property
+    def live_pages(self) -> int:
+        """Pages that may be touched: the committed ones of reserved storage, else the capacity."""
+        return self.page_capacity if self.reserved is None else self.reserved.committed
 
     @property
     def kmin(self) -> torch.Tensor:
@@ -119,6 +128,81 @@ class LayerStorage:
         self.min_pages = torch.cat([self.min_pages, self.min_pages.new_full(pad, float("inf"))])
         self.max_pages = torch.cat([self.max_pages, self.max_pages.new_full(pad, float("-inf"))])
 
+    # ---- reserved storage (reserve.py) -------------------------------------------------------------------
+    def reserve_plan(self, context: int, need: int, stored: int) -> int | None:
+        """Host bytes this layer's tier holds once :meth:`reserve` made room for ``need`` pages in storage reserved
+        for ``context`` tokens, or None where nothing would change (integers only)."""
+        ps, P = self.config.page_size, room_pages(context, self.config.page_size)
+        if self.reserved is not None:
+            target = target_pages(need, self.reserved.committed, P, ps)
+            return None if target == self.reserved.committed else self.reserved.host_bytes_at(target)
+        target = target_pages(max(need, min(num_pages(stored, ps), P)), 0, P, ps)
+        heads = self.slot_heads.numel()
+        return 2 * tier_block(self.batch, heads, ps, self.head_dim, self.dtype, target)[0] if heads else 0
+
+    def reserve(self, context: int, need: int, stored: int) -> None:
+        """Room for ``need`` pages in storage reserved for ``context`` tokens: a growing layer's buffers are moved
+        into reserved ranges first (once; ``stored``: the storage position after the newest token), then the pages
+        are committed (one chunk ahead, :func:`~flexicache_hf.reserve.target_pages`)."""
+        ps, P = self.config.page_size, room_pages(context, self.config.page_size)
+        if self.reserved is None:
+            self.copies.synchronize()
+            self.join_copies()
+            old = self.pool.layout
+            slots = max(min(self.config.resident_slots, P) if self.offloads else 0, old.slots)
+            res = Reservation(PoolLayout(self.batch, old.num_slot_heads, slots, old.num_full_heads, P),
+                              self.num_kv_heads, ps, self.head_dim, self.dtype, self.device, context)
+            views = res.tensors()
+            keep = min(num_pages(stored, ps), old.page_capacity, P)  # the pages held
+            res.commit(target_pages(max(need, keep), 0, P, ps), views["min"], views["max"])
+            views["min"][:keep] = self.min_pages[:keep]
+            views["max"][:keep] = self.max_pages[:keep]
+            self.min_pages, self.max_pages = views["min"], views["max"]
+            self.pool.grow(P, slots, into=views, keep=keep)
+            self.slots.relayout(self.pool)
+            self.find_tail(stored)
+            if self.offloads:
+                self.host.adopt(views["host_k"], views["host_v"], views.get("host_k_dev"), views.get("host_v_dev"))
+            self.reserved = res
+        self.reserved.commit(target_pages(need, self.reserved.committed, P, ps), self.min_pages, self.max_pages)
+
+    def host_bytes(self) -> int:
+        """Host bytes held: the tier's (committed, for reserved storage)."""
+        return self.host.nbytes() if self.reserved is None else self.reserved.host_bytes()
+
+    def __getstate__(self) -> dict:
+        """Reserved storage travels as its committed prefix (ranges are this process's): made again on load."""
+        state = dict(self.__dict__)
+        if self.reserved is not None:
+            n, pool, host, slots = (self.reserved.committed, copy.copy(self.pool), copy.copy(self.host),
+                                    copy.copy(self.slots))
+            slots.pool = pool
+            pool.k, pool.v = (t[: self.reserved._bytes("k", n) // (t[0].numel() * t.element_size())].clone()
+                              for t in (self.pool.k, self.pool.v))
+            if host.k is not None:
+                host.k, host.v, host.k_dev, host.v_dev = self.host.k[:n].clone(), self.host.v[:n].clone(), None, None
+            state.update(pool=pool, host=host, slots=slots, min_pages=self.min_pages[:n].clone(),
+                         max_pages=self.max_pages[:n].clone(), _committed=n)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        n = state.pop("_committed", None)
+        self.__dict__.update(state)
+        if n is None:
+            return
+        res, pool, host = self.reserved, self.pool, self.host
+        views = res.tensors()
+        res.commit(n, views["min"], views["max"])
+        views["min"][:n], views["max"][:n] = self.min_pages, self.max_pages
+        views["k"][: pool.k.shape[0]], views["v"][: pool.v.shape[0]] = pool.k, pool.v
+        pool.k, pool.v = views["k"], views["v"]
+        self.min_pages, self.max_pages = views["min"], views["max"]
+        if host.k is not None:
+            old_k, old_v = host.k, host.v
+            host.k = host.v = None
+            host.adopt(views["host_k"], views["host_v"], views.get("host_k_dev"), views.get("host_v_dev"))
+            host.k[:n], host.v[:n] = old_k, old_v
+
     def host_blocks_for(self, end: int, max_tokens: int | None) -> list[tuple[int, int]]:
         """The ``(bytes, run)`` of the host blocks :meth:`ensure_capacity` allocates to make room for ``end`` tokens
         (``[]``: none)."""
@@ -159,8 +243,8 @@ class LayerStorage:
     # ---- rows and emptying ------------------------------------------------------------------------------
     def clear(self) -> None:
         """As new, in place: the MinMax cache empty, no slot holds a page, no padding, nothing queued."""
-        self.min_pages.fill_(float("inf"))
-        self.max_pages.fill_(float("-inf"))
+        self.min_pages[: self.live_pages].fill_(float("inf"))
+        self.max_pages[: self.live_pages].fill_(float("-inf"))
         if self.offloads:
             self.slots.clear()
         self.tail_phys.zero_()
@@ -169,31 +253,52 @@ class LayerStorage:
         self.prefetched = None
 
     def select_rows(self, index: torch.Tensor, stored: int) -> None:
-        """Keep rows ``index`` (device int64; beam reorder / batch expansion), copying their pages."""
+        """Keep rows ``index`` (device int64; beam reorder / batch expansion), copying their pages (reserved
+        storage: into new ranges of the new batch, the committed pages only)."""
         self.join_copies()
         old = self.pool.layout
-        B = index.numel()
+        B, n = index.numel(), self.live_pages
         new = PoolLayout(B, old.num_slot_heads, old.slots, old.num_full_heads, old.page_capacity)
+        views = None
+        if self.reserved is not None:
+            res = Reservation(new, self.num_kv_heads, self.config.page_size, self.head_dim, self.dtype, self.device,
+                              self.reserved.tokens)
+            views = res.tensors()
+            res.commit(n, views["min"], views["max"])
         pool = PagePool(new, self.full_heads, self.slot_heads, self.num_kv_heads, self.config.page_size,
-                        self.head_dim, self.dtype, self.device)
+                        self.head_dim, self.dtype, self.device, into=views)
         for name in ("k", "v"):
             src, dst = getattr(self.pool, name), getattr(pool, name)
             if old.full_base > 1:  # the slot region, row-major
                 dst[1 : new.full_base] = src[1 : old.full_base].view(old.batch, -1, *src.shape[1:])[index].flatten(0, 1)
-            full = src[old.full_base :].view(old.page_capacity, old.batch, old.num_full_heads, *src.shape[1:])
-            dst[new.full_base :] = full[:, index].flatten(0, 2)  # the full region, page-major
+            full = src[old.full_base : old.full_base + n * old.batch * old.num_full_heads]
+            full = full.view(n, old.batch, old.num_full_heads, *src.shape[1:])
+            dst[new.full_base : new.full_base + n * B * old.num_full_heads] = full[:, index].flatten(0, 2)
         self.pool, self.batch = pool, B
         slot_page = self.slots.slot_page[index]
         self.slots = SlotTable(pool, self.device)
         self.slots.set_pages(slot_page)
-        if self.host.k is not None:
-            self.host.select_rows(index)
+        if self.reserved is not None:
+            self.copies.synchronize()
+            cpu = index.cpu()
+            if self.host.k is not None:
+                views["host_k"][:n] = self.host.k[:n][:, cpu]
+                views["host_v"][:n] = self.host.v[:n][:, cpu]
+                self.host.k = self.host.v = None
+                self.host.adopt(views["host_k"], views["host_v"], views.get("host_k_dev"), views.get("host_v_dev"))
+            views["min"][:n], views["max"][:n] = self.min_pages[:n][:, index], self.max_pages[:n][:, index]
+            self.min_pages, self.max_pages, self.reserved = views["min"], views["max"], res
+        else:
+            if self.host.k is not None:
+                self.host.select_rows(index)
+            self.min_pages, self.max_pages = self.min_pages[:, index], self.max_pages[:, index]
         self.host.batch = B
-        self.min_pages, self.max_pages = self.min_pages[:, index], self.max_pages[:, index]
         self.valid_lo = self.valid_lo[index]
         self.tail_phys = torch.zeros((B, self.slot_heads.numel()), dtype=torch.long, device=self.device)
         self.find_tail(stored)
 
     def nbytes(self) -> int:
         """Device bytes held: pages (null page and slack included), page table, MinMax cache."""
+        if self.reserved is not None:  # committed bytes, not reserved ones
+            return self.reserved.device_bytes() + self.pool.table_buffer.nbytes
         return self.pool.nbytes() + self.min_pages.nbytes + self.max_pages.nbytes

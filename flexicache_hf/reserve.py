@@ -1,0 +1,201 @@
+"""Reserved storage: an unsized FlexiCache on the compiled / CUDA-graph path.
+
+A cache made without ``max_cache_len`` whose storage can be reserved (no ``kernels=`` override, no observer, its
+layers on the CPU or on a CUDA device with virtual memory management, :func:`~flexicache_hf.vmm.vmm_supported`) is
+laid out for the model's whole context (``max_position_embeddings``): every tensor has its final shape and address,
+so ``generate`` compiles (and on CUDA graphs) its decode step once.  Each buffer that scales with the capacity — the
+MinMax cache, the K/V pools (null page, the slot region at its final size, the full region) and the host tier — is a
+view over a reserved range (:class:`~flexicache_hf.vmm.DeviceRange` on CUDA, a page-locked
+:class:`~flexicache_hf.vmm.HostRange` for the host tier; a pageable ``HostRange`` on the CPU, so the CPU runs the same
+code) of which only a prefix is committed: the pages the held tokens need plus :data:`CHUNK_TOKENS` of headroom.  The
+page table and the small buffers are ordinary tensors of the reserved width.
+
+When: the first forward (the prompt) of a cache made without ``model_config`` does not know the context yet (the
+model's config reaches the cache at its first attention), so it is stored the growing way and moved once into
+reserved storage before the next forward: at ``get_mask_sizes`` (which ``generate`` calls eagerly before each step)
+or at that forward's first update.  Growth: at layer 0's update of an eager forward (after the length and host
+checks, before any write) and, for compiled steps, at ``get_mask_sizes``, one chunk ahead of the host's upper bound
+of the length (``DecodeState.announce``; no synchronisation on the common path), so a captured step never writes
+uncommitted memory.  ``host_memory_limit`` is checked on every layer's committed host bytes before any layer
+commits.  Committed memory is never given back while the cache lives (``reset`` keeps it, as a sized cache keeps
+its buffers); dropping the cache frees it (reserved caches are not recycled, :mod:`~flexicache_hf.recycling`).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+from .pages import PoolLayout, num_pages, room_pages
+from .tiers import check_host_limit, tier_block
+from .vmm import DeviceRange, HostRange, vmm_supported
+
+CHUNK_TOKENS = 1024
+"""Tokens of headroom committed at each growth (rounded up to whole pages; a device range rounds up to its granule,
+2 MiB on Hopper, anyway).  Module-level: tests set it small to cross many chunk boundaries."""
+
+
+@functools.lru_cache(maxsize=None)
+def _vmm(index: int) -> bool:
+    return vmm_supported(index)
+
+
+def supported(device: torch.device) -> bool:
+    """Whether storage on ``device`` can be reserved: the CPU (pageable ranges) or a CUDA device with VMM."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return True
+    return device.type == "cuda" and _vmm(torch.cuda.current_device() if device.index is None else device.index)
+
+
+def compileable_unsized() -> bool:
+    """Whether an unsized cache may be compiled, decided before its device is known: no CUDA (the CPU path), or the
+    current CUDA device supports virtual memory management."""
+    return not torch.cuda.is_available() or _vmm(torch.cuda.current_device())
+
+
+def context_for(cache, device: torch.device) -> int | None:
+    """The tokens ``cache``'s layers on ``device`` are reserved for (the model's context), or None: sized, not
+    compileable, context not known yet, or a CUDA device without VMM (today's growing eager path, warned once)."""
+    if (cache.max_tokens is not None or cache.kernels is not None or cache.observer is not None
+            or cache.max_positions is None):
+        return None
+    if supported(device):
+        return cache.max_positions
+    if not getattr(cache, "_warned_unreserved", False):
+        cache._warned_unreserved = True
+        warnings.warn(f"FlexiCache: {device} has no virtual memory management, so this unsized cache grows by "
+                      "re-allocation and decodes eagerly; make it with max_cache_len (prompt + max_new_tokens) for the "
+                      "compiled / CUDA-graph decode step")
+    return None
+
+
+def target_pages(need: int, committed: int, pages: int, page_size: int) -> int:
+    """Pages committed after making room for ``need`` pages: unchanged when they fit, else ``need`` plus a chunk
+    (:data:`CHUNK_TOKENS` in whole pages), at most the reserved ``pages``."""
+    if need <= committed:
+        return committed
+    return min(pages, need + max(1, num_pages(CHUNK_TOKENS, page_size)))
+
+
+def _range(nbytes: int, device: torch.device, host: bool, align: int = 1):
+    """A range of ``nbytes``: a pinned (CUDA) or pageable (CPU) host range for the host tier and for anything on the
+    CPU, a device range for a CUDA buffer."""
+    if device.type == "cuda" and not host:
+        return DeviceRange(nbytes, device)
+    return HostRange(nbytes, device if device.type == "cuda" else None, chunk_bytes=0, align=align)
+
+
+class Reservation:
+    """The ranges behind one layer's capacity-scaled buffers, laid out for ``layout.page_capacity`` pages, and the
+    pages committed (integers; the storage holds the tensors, views over the ranges' starts)."""
+
+    def __init__(self, layout: PoolLayout, heads: int, page_size: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, tokens: int):
+        self.tokens = tokens  # the context reserved for (a decode step's mask spans it)
+        self.layout, self.heads, self.page_size, self.head_dim = layout, heads, page_size, head_dim
+        self.dtype, self.device = dtype, device
+        self.committed = 0
+        self.ranges = {}  # name -> range; made by tensors()
+
+    @property
+    def pages(self) -> int:
+        return self.layout.page_capacity
+
+    def _bytes(self, name: str, pages: int) -> int:
+        lay, ps, D, size = self.layout, self.page_size, self.head_dim, self.dtype.itemsize
+        if name in ("k", "v"):  # null page + slot region + the full region's first `pages` pages (page-major)
+            return (lay.full_base + lay.batch * lay.num_full_heads * pages) * ps * D * size
+        if name in ("min", "max"):
+            return pages * lay.batch * self.heads * D * size
+        return tier_block(lay.batch, lay.num_slot_heads, ps, D, self.dtype, pages)[0]  # host k / v
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Reserve the ranges (once) and return the reserved-shape views: ``k``, ``v`` (pools), ``min``, ``max``
+        (MinMax, page-major) and, with offloaded heads, ``host_k``, ``host_v`` (+ ``host_k_dev`` / ``host_v_dev``
+        on CUDA: the pinned tier's device views)."""
+        lay, ps, D, P = self.layout, self.page_size, self.head_dim, self.pages
+        shapes = {"k": (lay.num_physical, ps, D), "v": (lay.num_physical, ps, D),
+                  "min": (P, lay.batch, self.heads, D), "max": (P, lay.batch, self.heads, D)}
+        if lay.num_slot_heads:
+            shapes["host_k"] = shapes["host_v"] = (P, lay.batch, lay.num_slot_heads, ps, D)
+        run = tier_block(lay.batch, lay.num_slot_heads, ps, D, self.dtype, 1)[1]  # chunks end on page runs
+        out = {}
+        for name, shape in shapes.items():
+            host = name.startswith("host")
+            if name not in self.ranges:
+                self.ranges[name] = _range(self._bytes(name, P), self.device, host, run if host else 1)
+            rng = self.ranges[name]
+            out[name] = rng.tensor(shape, self.dtype)
+            if host and self.device.type == "cuda":
+                out[name + "_dev"] = rng.cuda_tensor(shape, self.dtype)
+        return out
+
+    def host_bytes_at(self, pages: int) -> int:
+        """Host-tier bytes (K and V) committed at ``pages`` pages (before a range's rounding to whole OS pages)."""
+        return 2 * self._bytes("host_k", pages) if self.layout.num_slot_heads else 0
+
+    def device_bytes(self) -> int:
+        return sum(r.committed_bytes for n, r in self.ranges.items() if not n.startswith("host"))
+
+    def host_bytes(self) -> int:
+        return sum(r.committed_bytes for n, r in self.ranges.items() if n.startswith("host"))
+
+    def commit(self, pages: int, mins: torch.Tensor, maxs: torch.Tensor) -> None:
+        """Commit the first ``pages`` pages of every range (nothing when they are); the MinMax entries of the new
+        pages start empty (+inf / -inf).  A device out of memory raises before the MinMax is touched."""
+        old = self.committed
+        if pages <= old:
+            return
+        for name, rng in self.ranges.items():
+            rng.grow_to(self._bytes(name, pages))
+        mins[old:pages].fill_(float("inf"))
+        maxs[old:pages].fill_(float("-inf"))
+        self.committed = pages
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["ranges"], state["committed"] = {}, 0  # made again where loaded (storage.__setstate__)
+        return state
+
+
+# ---- the cache's side: when to reserve and to commit -----------------------------------------------------------
+def make_room(cache, need: int, device: torch.device) -> None:
+    """Reserved storage for every layer of ``cache`` with room for ``need`` pages (eager: before any write of the
+    forward; compiled: before the step).  Layers still growing (after the first prompt) are moved into reserved
+    storage first.  Refuses (HostMemoryError), before anything changes, when the layers' committed host bytes would
+    pass ``host_memory_limit``.  Nothing happens unless every layer is initialised and the cache reserves."""
+    context = context_for(cache, device)
+    layers = cache.layers
+    if context is None or not all(layer.is_initialized for layer in layers):
+        return
+    first = layers[0].storage
+    if any((s.batch, s.dtype, s.device) != (first.batch, first.dtype, first.device)
+           for s in (layer.storage for layer in layers)):
+        return  # layers kept by reset() for another batch: each is made anew at its update
+    plans = [layer.storage.reserve_plan(context, need, layer.stored_end) for layer in layers]
+    if all(plan is None for plan in plans):
+        return
+    check_host_limit(sum(layer.host_bytes() if plan is None else plan for layer, plan in zip(layers, plans)),
+                     cache.config.host_memory_limit)
+    for layer in layers:
+        layer.reserve(context, need)
+    for state in cache.states.values():
+        state.capacity = context  # the schedule refuses (and clamps) past the context, as for max_cache_len
+
+
+def before_step(cache, tokens: int, check_room) -> None:
+    """Before a step ``generate`` runs (eagerly, even for a compiled one): move a growing cache into reserved
+    storage, refuse a step past the context (``check_room``, which announces it), then commit one chunk ahead of
+    the host's upper bound of the length (announced forwards counted as run: no synchronisation)."""
+    if cache.states and not cache.guard.open:
+        state = next(iter(cache.states.values()))
+        make_room(cache, room_pages(cache.layers[0].seq_len + tokens, cache.config.page_size), state.device)
+    check_room(cache, tokens)
+    if cache.states and not cache.guard.open and all(s.capacity is not None for s in cache.states.values()):
+        state = next(iter(cache.states.values()))
+        if cache.layers[0].is_initialized and cache.layers[0].storage.reserved is not None:
+            bound = state.host_length + state.announced  # storage positions, an upper bound
+            make_room(cache, num_pages(bound, cache.config.page_size), state.device)

@@ -1,0 +1,168 @@
+"""Reserved storage (``flexicache_hf/reserve.py``): an unsized cache laid out for the model's context, its memory
+committed a chunk at a time as tokens arrive, so ``generate`` compiles its decode step once.  On the CPU the ranges
+are pageable (``MAP_NORESERVE``) and the same code runs; ``reserve.CHUNK_TOKENS`` is set small here so that a few
+dozen tokens cross several chunk boundaries."""
+
+import copy
+import pickle
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from conftest import compile_config, tiny_config, twin_models
+from flexicache_hf import FlexiCache, reserve
+from flexicache_hf.head_profile import HeadProfile
+from flexicache_hf.host_memory import HostMemoryError
+
+PS, CHUNK = 4, 8  # pages of 4 tokens, chunks of 2 pages
+
+
+def graphs():
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(reserve, "CHUNK_TOKENS", CHUNK)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def setup(request):
+    cfg = tiny_config(request.param, heads=4, kv_heads=2, layers=2, head_dim=16, max_pos=4096)
+    fc, dense = twin_models(cfg)
+    ids = torch.randint(2, 90, (2, 13), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # a left-padded row
+    profile = HeadProfile.random(cfg, 0.5, seed=2)
+    return cfg, fc, dense, ids, mask, profile
+
+
+def make(profile, **kw):
+    return FlexiCache(profile, page_size=PS, token_budget=4096, rerank_interval=3, **kw)  # dense attention's tokens
+
+
+def generate(model, ids, mask, cache, new, compiled=False):
+    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, attention_mask=mask, pad_token_id=0)
+    if compiled:
+        kw["compile_config"] = compile_config()
+    else:
+        kw["disable_compile"] = True
+    return model.generate(ids, past_key_values=cache, **kw)[:, ids.shape[1]:]
+
+
+def want(dense, ids, mask, new):
+    return generate(dense, ids, mask, DynamicCache(), new)
+
+
+def committed(cache):
+    return cache.layers[0].storage.reserved.committed
+
+
+def test_an_unsized_cache_is_compileable_and_reserved_for_the_context(setup):
+    cfg, fc, dense, ids, mask, profile = setup
+    cache = make(profile)
+    assert cache.is_compileable
+    out = generate(fc, ids, mask, cache, 30)  # eager: prompt crosses a chunk, decode 3 more
+    assert torch.equal(out, want(dense, ids, mask, 30))
+    for layer in cache.layers:
+        res = layer.storage.reserved
+        assert res is not None and res.tokens == 4096 and layer.page_capacity == res.pages
+        assert res.committed * PS < 13 + 30 + 2 * CHUNK + PS  # the tokens held and a chunk, not the context
+        assert layer.get_mask_sizes(1) == (4096, 0)  # the same mask every decode step
+
+
+def test_compiled_decode_grows_without_a_new_graph(setup):
+    cfg, fc, dense, ids, mask, profile = setup
+    torch._dynamo.reset()
+    cache = make(profile)
+    first = generate(fc, ids, mask, cache, 3, compiled=True)  # prompt, then the first compiled steps
+    start = committed(cache)
+    before = graphs()
+    cache.reset()
+    new = start * PS - ids.shape[1] + 3 * CHUNK + 2  # 3 chunks past the first commit
+    out = generate(fc, ids, mask, cache, new, compiled=True)
+    assert graphs() == before  # no recompilation as it grew
+    assert committed(cache) >= start + 3 * CHUNK // PS
+    assert torch.equal(out, want(dense, ids, mask, new))
+    assert torch.equal(first, out[:, :3])
+
+
+def test_committed_bytes_follow_the_tokens(setup):
+    cfg, fc, dense, _, _, profile = setup
+    ids = torch.randint(2, 90, (2, 300), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    monkey_chunk = 64
+    reserve.CHUNK_TOKENS = monkey_chunk
+    cache, sized, full = make(profile), make(profile, max_cache_len=300 + monkey_chunk + PS), make(profile,
+                                                                                              max_cache_len=4096)
+    for c in (cache, sized, full):
+        generate(fc, ids, mask, c, 1)
+    for what in ("device_bytes", "host_bytes"):
+        got, near, far = (getattr(c, what)() for c in (cache, sized, full))
+        assert got <= near * 1.1 + 2 * 4096 * len(cache.layers) * 6  # + OS-page rounding of each range
+        assert got < far / 4, what
+
+
+def test_host_memory_limit_refuses_growth_before_anything_changes(setup):
+    cfg, fc, dense, ids, mask, profile = setup
+    cache = make(profile, offload=True)
+    generate(fc, ids, mask, cache, 1)
+    limit = cache.host_bytes() + 1
+    cache2 = make(profile, host_memory_limit=limit)
+    generate(fc, ids, mask, cache2, 1)
+    held, n = cache2.host_bytes(), cache2.get_seq_length()
+    with pytest.raises(HostMemoryError):
+        generate(fc, ids, mask, cache2, 40)
+    assert cache2.host_bytes() == held and cache2.get_seq_length() <= n + 40
+    cache2.reset()
+    assert torch.equal(generate(fc, ids, mask, cache2, 1), want(dense, ids, mask, 1))
+
+
+def test_a_prompt_past_the_context_is_refused_unchanged(setup):
+    cfg, fc, dense, ids, mask, profile = setup
+    cache = make(profile)
+    generate(fc, ids, mask, cache, 3)
+    n, held = cache.get_seq_length(), cache.device_bytes()
+    long = torch.randint(2, 90, (2, 4096), generator=torch.Generator().manual_seed(3))
+    with pytest.raises(ValueError, match="context"):
+        fc(long, past_key_values=cache)
+    assert cache.get_seq_length() == n and cache.device_bytes() == held
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "reset", "crop", "reorder"])
+def test_copies_and_rows_of_a_reserved_cache(setup, how):
+    cfg, fc, dense, ids, mask, profile = setup
+    cache = make(profile)
+    generate(fc, ids, mask, cache, 12)
+    ref = make(profile, max_cache_len=200)
+    generate(fc, ids, mask, ref, 12)
+    for c in (cache, ref):
+        if how == "deepcopy":
+            c2 = copy.deepcopy(c)
+        elif how == "pickle":
+            c2 = pickle.loads(pickle.dumps(c))
+        else:
+            c2 = c
+            if how == "reset":
+                c.reset()
+            elif how == "crop":
+                c.crop(-5)
+            else:
+                c.reorder_cache(torch.tensor([1, 0]))
+        if c is cache:
+            got = c2
+        else:
+            exp = c2
+    if how == "deepcopy" or how == "pickle":
+        assert got.layers[0].storage.reserved.committed == cache.layers[0].storage.reserved.committed
+    if how == "reset":
+        assert torch.equal(generate(fc, ids, mask, got, 10), want(dense, ids, mask, 10))
+        return
+    nxt = torch.full((2, 1), 5)
+    m = torch.ones(2, 1)
+    a = fc(nxt, past_key_values=got, attention_mask=None).logits
+    b = fc(nxt, past_key_values=exp, attention_mask=None).logits
+    assert torch.allclose(a, b, atol=1e-5)
