@@ -24,13 +24,15 @@ its buffers); dropping the cache frees it (reserved caches are not recycled, :mo
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 
 import torch
 
 from .pages import PoolLayout, num_pages, room_pages
 from .tiers import check_host_limit, tier_block
-from .vmm import DeviceRange, HostRange, vmm_supported
+from .host_memory import PAGE
+from .vmm import DeviceRange, HostRange, round_up, vmm_supported
 
 CHUNK_TOKENS = 1024
 """Tokens of headroom committed at each growth (rounded up to whole pages; a device range rounds up to its granule,
@@ -78,6 +80,15 @@ def target_pages(need: int, committed: int, pages: int, page_size: int) -> int:
     if need <= committed:
         return committed
     return min(pages, need + max(1, num_pages(CHUNK_TOKENS, page_size)))
+
+
+def host_commit_bytes(batch: int, heads: int, page_size: int, head_dim: int, dtype: torch.dtype, pages: int) -> int:
+    """Host bytes (K and V) a reserved host tier commits for ``pages`` pages: each range rounds up to whole OS pages
+    and page runs (:class:`~flexicache_hf.vmm.HostRange`'s unit), what ``host_memory_limit`` is checked against."""
+    if not heads:
+        return 0
+    n, run = tier_block(batch, heads, page_size, head_dim, dtype, pages)
+    return 2 * round_up(n, math.lcm(PAGE, run))
 
 
 def _range(nbytes: int, device: torch.device, host: bool, align: int = 1):
@@ -135,7 +146,8 @@ class Reservation:
 
     def host_bytes_at(self, pages: int) -> int:
         """Host-tier bytes (K and V) committed at ``pages`` pages (before a range's rounding to whole OS pages)."""
-        return 2 * self._bytes("host_k", pages) if self.layout.num_slot_heads else 0
+        lay = self.layout
+        return host_commit_bytes(lay.batch, lay.num_slot_heads, self.page_size, self.head_dim, self.dtype, pages)
 
     def device_bytes(self) -> int:
         return sum(r.committed_bytes for n, r in self.ranges.items() if not n.startswith("host"))
@@ -192,7 +204,7 @@ def before_step(cache, tokens: int, check_room) -> None:
     the host's upper bound of the length (announced forwards counted as run: no synchronisation)."""
     if cache.states and not cache.guard.open:
         state = next(iter(cache.states.values()))
-        make_room(cache, room_pages(cache.layers[0].seq_len + tokens, cache.config.page_size), state.device)
+        make_room(cache, 0, state.device)  # a growing cache moved (nothing committed beyond what it holds)
     check_room(cache, tokens)
     if cache.states and not cache.guard.open and all(s.capacity is not None for s in cache.states.values()):
         state = next(iter(cache.states.values()))

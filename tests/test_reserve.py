@@ -108,17 +108,18 @@ def test_committed_bytes_follow_the_tokens(setup):
 
 def test_host_memory_limit_refuses_growth_before_anything_changes(setup):
     cfg, fc, dense, ids, mask, profile = setup
-    cache = make(profile, offload=True)
-    generate(fc, ids, mask, cache, 1)
-    limit = cache.host_bytes() + 1
-    cache2 = make(profile, host_memory_limit=limit)
-    generate(fc, ids, mask, cache2, 1)
-    held, n = cache2.host_bytes(), cache2.get_seq_length()
+    probe = make(profile)
+    generate(fc, ids, mask, probe, 40)  # reserved, a chunk ahead (over what the growing prompt held)
+    limit = probe.host_bytes() + 1  # the next chunk passes it
+    cache = make(profile, host_memory_limit=limit)
     with pytest.raises(HostMemoryError):
-        generate(fc, ids, mask, cache2, 40)
-    assert cache2.host_bytes() == held and cache2.get_seq_length() <= n + 40
-    cache2.reset()
-    assert torch.equal(generate(fc, ids, mask, cache2, 1), want(dense, ids, mask, 1))
+        generate(fc, ids, mask, cache, 40 + 3 * CHUNK)
+    held, n = cache.host_bytes(), cache.get_seq_length()
+    cache.sync()
+    assert cache.host_bytes() == held and committed(cache) == committed(probe)
+    assert n <= committed(cache) * PS  # it stopped within what was committed
+    cache.reset()  # usable again
+    assert torch.equal(generate(fc, ids, mask, cache, 3), want(dense, ids, mask, 3))
 
 
 def test_a_prompt_past_the_context_is_refused_unchanged(setup):

@@ -15,8 +15,8 @@ import torch
 from ..config import FlexiCacheConfig
 from ..kernels import KernelOps
 from ..pages import PagePool, PoolLayout, num_pages, room_capacity, room_pages
-from ..reserve import Reservation, target_pages
-from ..tiers import CopyStream, HostTier, SlotTable, copy_context, offload_page, tier_block
+from ..reserve import Reservation, host_commit_bytes, target_pages
+from ..tiers import CopyStream, HostTier, SlotTable, copy_context, offload_page
 
 
 class LayerStorage:
@@ -137,8 +137,7 @@ class LayerStorage:
             target = target_pages(need, self.reserved.committed, P, ps)
             return None if target == self.reserved.committed else self.reserved.host_bytes_at(target)
         target = target_pages(max(need, min(num_pages(stored, ps), P)), 0, P, ps)
-        heads = self.slot_heads.numel()
-        return 2 * tier_block(self.batch, heads, ps, self.head_dim, self.dtype, target)[0] if heads else 0
+        return host_commit_bytes(self.batch, self.slot_heads.numel(), ps, self.head_dim, self.dtype, target)
 
     def reserve(self, context: int, need: int, stored: int) -> None:
         """Room for ``need`` pages in storage reserved for ``context`` tokens: a growing layer's buffers are moved
