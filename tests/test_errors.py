@@ -261,10 +261,12 @@ CASES = [(f, T, n) for f in REFUSED for T in (1, 9) for n in (8, 10)
 
 
 @pytest.mark.parametrize("failure,T,n", CASES)
-def test_refused_follow_up_loses_nothing(failure, T, n):
+def test_refused_follow_up_loses_nothing(failure, T, n, monkeypatch):
     """A refusal on a filled cache leaves it as it was: the next call continues exactly as on a cache that never
     saw the refused one (small budget: same selections and schedule), with the same length and statistics.  T = 1
-    refuses a decode step (n = 10: a step on which the stable heads re-rank), T = 9 a follow-up chunk."""
+    refuses a decode step (n = 10: a step on which the stable heads re-rank), T = 9 a follow-up chunk.  (Reserved
+    storage commits a chunk ahead: a small chunk here, so that the follow-up chunk needs more host memory.)"""
+    monkeypatch.setattr("flexicache_hf.reserve.CHUNK_TOKENS", 1)
     cfg = tiny_config("llama", heads=4, kv_heads=2)
     fc, dense = twin_models(cfg)
     profile = HeadProfile.random(cfg, 0.5, seed=3)
