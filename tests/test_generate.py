@@ -57,7 +57,8 @@ def test_left_padded_batch_matches_rows_alone():
         assert torch.equal(batch[i, L:], alone[0, r.shape[1]:]), f"row {i}"
 
 
-def test_small_budget_runs_and_saves_device_memory():
+def test_small_budget_runs_and_saves_device_memory(monkeypatch):
+    monkeypatch.setattr("flexicache_hf.reserve.CHUNK_TOKENS", 64)  # reserved storage's headroom, small at 900 tokens
     cfg = tiny_config("llama", heads=4, kv_heads=4, max_pos=4096)
     fc, _ = twin_models(cfg)
     ids = torch.randint(2, 96, (2, 900))
