@@ -153,7 +153,8 @@ def test_a_budget_beyond_the_context_costs_what_one_covering_it_costs(page_size,
     ids = torch.randint(2, 96, (2, 40))
     huge = FlexiCache(profile, page_size=page_size, token_budget=budget, rerank_interval=interval,
                       max_cache_len=max_cache_len)
-    covering = FlexiCache(profile, page_size=page_size, token_budget=64 * page_size,  # pages beyond any capacity here
+    covering = FlexiCache(profile, page_size=page_size, token_budget=2048 * page_size,  # pages beyond any capacity here
+                          # (an unsized cache's is the context's: reserved storage)
                           rerank_interval=interval, max_cache_len=max_cache_len)
     assert torch.equal(greedy(fc, ids, huge, 12), greedy(fc, ids, covering, 12))
     assert huge.device_bytes() == covering.device_bytes()

@@ -192,10 +192,13 @@ def test_compiled_decode_after_reset_reuses_the_program(setup):
     assert graphs() == before
 
 
-def test_not_compileable_without_max_cache_len_or_with_observer(setup):
+def test_not_compileable_with_kernels_or_observer(setup, monkeypatch):
     cfg = setup[0]
     prof = HeadProfile.all_stable(cfg)
+    assert FlexiCache(prof).is_compileable  # reserved storage (reserve.py): fixed addresses without max_cache_len
+    monkeypatch.setattr("flexicache_hf.cache.compileable_unsized", lambda: False)  # CUDA without VMM
     assert not FlexiCache(prof).is_compileable  # its buffers grow: no fixed addresses
+    assert not FlexiCache(prof, kernels="reference").is_compileable
     assert not FlexiCache(prof, max_cache_len=64, kernels="reference").is_compileable
 
     class Seen:
