@@ -1,6 +1,6 @@
 """``make demo``: SmolLM2 on a long real document, generating with FlexiCache, and what it saved.
 
-    python -m flexicache_hf.demo [--prompt-tokens 3000] [--new-tokens 128] [--budget 512] [--no-dense] [--paper]
+    python -m flexicache_hf.demo [--prompt-tokens 3000] [--new-tokens 128] [--budget 1024] [--no-dense] [--paper]
 
 Runs on the CPU in a few minutes (2 cores): the embedded SmolLM2-135M-Instruct GGUF, the longest section
 of the Python language reference (from the built-in corpus, assembled from this installation on first
@@ -40,7 +40,8 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt-tokens", type=int, default=3000)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--budget", type=int, default=512, help="token budget per KV head and step")
+    ap.add_argument("--budget", type=int, default=1024, help="token budget per KV head and step (default: 1024, a third "
+                    "of the default prompt)")
     ap.add_argument("--paper", action="store_true", help="the paper's settings (FlexiCacheConfig.paper()) instead "
                     "of the profile's, with the profile's own unstable heads")
     ap.add_argument("--page-size", type=int, default=None, help="tokens per page (default: the profile's)")

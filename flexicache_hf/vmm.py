@@ -153,29 +153,70 @@ def vmm_supported(device: int | str | torch.device) -> bool:
         return False
 
 
+# ---- what both kinds of range share -----------------------------------------------------------------------------
+class _Range:
+    """A reserved range's addresses, sizes and end (``_mem``: what its finalizer frees; ``start`` 0 once freed)."""
+
+    _mem: "_DeviceMemory | _HostMemory"
+
+    @property
+    def address(self) -> int:
+        """The range's first address (on the host and, pinned, on the devices), fixed until ``release``; 0 after."""
+        return self._mem.start
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self._mem.reserved
+
+    @property
+    def committed_bytes(self) -> int:
+        """Bytes committed from the start (mapped; on the host populated and, pinned, page-locked): what counts
+        and what may be touched."""
+        return self._mem.committed
+
+    def release(self) -> None:
+        """Free everything now (also done when the range and its views are collected).  Views made by ``tensor``
+        must no longer be used."""
+        with self._lock:
+            self._finalizer()
+
+    def _live(self):
+        if not self._mem.start:
+            raise VmmError(f"this {type(self).__name__} was released")
+        return self._mem
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(f"a {type(self).__name__} is not copied or pickled (a copy would free its memory twice): make "
+                        "a new one and copy the committed prefix")
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({self._describe()}, committed {format_bytes(self.committed_bytes)} of "
+                f"{format_bytes(self.reserved_bytes)}, chunks of {format_bytes(self.chunk_bytes)})")
+
+
 # ---- device memory -----------------------------------------------------------------------------------------------
 class _DeviceMemory:
     """What a DeviceRange frees (held by its finalizer, so it must not refer to the range)."""
 
     def __init__(self, index: int, base: int, reserved: int):
-        self.index, self.base, self.reserved = index, base, reserved
+        self.index, self.start, self.reserved = index, base, reserved
         self.chunks: list[tuple[int, int, object]] = []  # (address, bytes, allocation handle), in mapping order
         self.committed = 0
 
     def free(self) -> None:
         """Wait for the device (unmapping does not), then unmap and release every chunk, then free the addresses."""
-        if not self.base:
+        if not self.start:
             return
         driver = _driver(self.index)
         _warn_call(driver, "cuCtxSynchronize")
         for at, size, handle in reversed(self.chunks):
             _warn_call(driver, "cuMemUnmap", at, size)
             _warn_call(driver, "cuMemRelease", handle)
-        _warn_call(driver, "cuMemAddressFree", self.base, self.reserved)
-        self.base, self.chunks, self.committed = 0, [], 0
+        _warn_call(driver, "cuMemAddressFree", self.start, self.reserved)
+        self.start, self.chunks, self.committed = 0, [], 0
 
 
-class DeviceRange:
+class DeviceRange(_Range):
     """Device addresses for ``max_bytes`` reserved at once, memory mapped behind them as :meth:`grow_to` asks.
 
     Args:
@@ -210,20 +251,6 @@ class DeviceRange:
         self._finalizer = weakref.finalize(self, self._mem.free)
         self._finalizer.atexit = False  # at exit the process's memory goes back anyway (the driver may be gone first)
 
-    @property
-    def address(self) -> int:
-        """The range's first address (fixed until ``release``; 0 after)."""
-        return self._mem.base
-
-    @property
-    def reserved_bytes(self) -> int:
-        return self._mem.reserved
-
-    @property
-    def committed_bytes(self) -> int:
-        """Bytes mapped from the start (a multiple of the granule): what may be touched."""
-        return self._mem.committed
-
     def grow_to(self, nbytes: int) -> None:
         """Map memory until the first ``nbytes`` are committed (nothing when they are; at least ``chunk_bytes``
         more otherwise, never past the reservation: ValueError).  Out of device memory, torch's cached free blocks
@@ -246,7 +273,7 @@ class DeviceRange:
         """One allocation of ``size`` bytes mapped at the committed end, read-write for the device; undone on
         failure."""
         mem, driver = self._mem, _driver(self._mem.index)
-        at = mem.base + mem.committed
+        at = mem.start + mem.committed
         handle = _call(driver, "cuMemCreate", size, self._prop, 0)
         try:
             _call(driver, "cuMemMap", at, size, 0, handle, 0)
@@ -268,26 +295,10 @@ class DeviceRange:
         shape = view_shape(shape, dtype.itemsize, self.reserved_bytes)
         if not self.committed_bytes:
             self.grow_to(1)
-        return _cuda_view(self._live().base, shape, dtype, self.device, self)
+        return _cuda_view(self._live().start, shape, dtype, self.device, self)
 
-    def release(self) -> None:
-        """Unmap and free everything now (also done when the range and its views are collected).  Views made by
-        :meth:`tensor` must no longer be used."""
-        with self._lock:
-            self._finalizer()
-
-    def _live(self) -> _DeviceMemory:
-        if not self._mem.base:
-            raise VmmError("this device range was released")
-        return self._mem
-
-    def __reduce_ex__(self, protocol):
-        raise TypeError("a device range is not copied or pickled (a copy would free its memory twice): make a new "
-                        "one and copy the committed prefix")
-
-    def __repr__(self) -> str:
-        return (f"DeviceRange({self.device}, committed {format_bytes(self.committed_bytes)} of "
-                f"{format_bytes(self.reserved_bytes)}, chunks of {format_bytes(self.chunk_bytes)})")
+    def _describe(self) -> str:
+        return str(self.device)
 
 
 # ---- host memory -------------------------------------------------------------------------------------------------
@@ -295,19 +306,19 @@ class _HostMemory:
     """What a HostRange frees (held by its finalizer, so it must not refer to the range)."""
 
     def __init__(self, addr: int, reserved: int, device: int | None):
-        self.addr, self.reserved, self.device = addr, reserved, device
+        self.start, self.reserved, self.device = addr, reserved, device
         self.spans: list[tuple[int, int]] = []  # registrations, in order
         self.committed = 0
 
     def free(self) -> None:
         """Unregister every chunk, then unmap the whole range."""
-        if self.addr:
+        if self.start:
             unregister(self.spans, self.device)
-            unmap(self.addr, self.reserved)
-            self.addr, self.spans, self.committed = 0, [], 0
+            unmap(self.start, self.reserved)
+            self.start, self.spans, self.committed = 0, [], 0
 
 
-class HostRange:
+class HostRange(_Range):
     """Host addresses for ``max_bytes`` mapped at once (``MAP_NORESERVE``), populated and page-locked chunk by chunk.
 
     Args:
@@ -336,22 +347,8 @@ class HostRange:
         self._finalizer.atexit = False
 
     @property
-    def address(self) -> int:
-        """The range's first address, on the host and (pinned) on the devices; 0 after ``release``."""
-        return self._mem.addr
-
-    @property
     def pinned(self) -> bool:
         return self.device is not None
-
-    @property
-    def reserved_bytes(self) -> int:
-        return self._mem.reserved
-
-    @property
-    def committed_bytes(self) -> int:
-        """Bytes populated (and, pinned, page-locked) from the start: what counts, and what may be touched."""
-        return self._mem.committed
 
     def grow_to(self, nbytes: int, limit: int | None = None) -> None:
         """Commit until the first ``nbytes`` are (nothing when they are; at least ``chunk_bytes`` more otherwise).
@@ -372,7 +369,7 @@ class HostRange:
                         f"{format_bytes(limit)} (host_memory_limit less what the other buffers hold)")
                 cap = min(cap, limit // self.unit * self.unit)
             end = commit_end(mem.committed, nbytes, self.unit, self.chunk_bytes, cap)
-            at, size = mem.addr + mem.committed, end - mem.committed
+            at, size = mem.start + mem.committed, end - mem.committed
             try:
                 self._commit(at, size)
             except BaseException:
@@ -399,7 +396,7 @@ class HostRange:
         nobody)."""
         shape = view_shape(shape, dtype.itemsize, self.reserved_bytes)
         nbytes = math.prod(shape) * dtype.itemsize
-        buffer = (ctypes.c_ubyte * self.reserved_bytes).from_address(self._live().addr)
+        buffer = (ctypes.c_ubyte * self.reserved_bytes).from_address(self._live().start)
         buffer.owner = self  # the storage holds the buffer, the buffer the range
         return torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes).view(dtype).view(shape) if nbytes else \
             torch.empty(shape, dtype=dtype)
@@ -413,24 +410,7 @@ class HostRange:
         shape = view_shape(shape, dtype.itemsize, self.reserved_bytes)
         if not self.committed_bytes:
             self.grow_to(1)
-        return _cuda_view(self._live().addr, shape, dtype, torch.device("cuda", self.device), self)
+        return _cuda_view(self._live().start, shape, dtype, torch.device("cuda", self.device), self)
 
-    def release(self) -> None:
-        """Unregister and unmap now (also done when the range and its views are collected).  Views must no longer
-        be used."""
-        with self._lock:
-            self._finalizer()
-
-    def _live(self) -> _HostMemory:
-        if not self._mem.addr:
-            raise VmmError("this host range was released")
-        return self._mem
-
-    def __reduce_ex__(self, protocol):
-        raise TypeError("a host range is not copied or pickled (a copy would free its memory twice): make a new "
-                        "one and copy the committed prefix")
-
-    def __repr__(self) -> str:
-        kind = f"pinned for cuda:{self.device}" if self.pinned else "pageable"
-        return (f"HostRange({kind}, committed {format_bytes(self.committed_bytes)} of "
-                f"{format_bytes(self.reserved_bytes)}, chunks of {format_bytes(self.chunk_bytes)})")
+    def _describe(self) -> str:
+        return f"pinned for cuda:{self.device}" if self.pinned else "pageable"

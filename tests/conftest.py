@@ -97,3 +97,15 @@ def smollm2():
 
     model, tok = load_default_model(attn_implementation="flexicache")
     return model, tok
+
+
+def top_k_lowest_ids(s, k, n):
+    """The select kernels' contract spelled out (the interpreted and the GPU tests): rows cut to their ``n`` live pages,
+    the newest forced, the ``k`` best scores with ties to the lowest page ids (a stable sort), ``-inf`` never
+    returned, ascending, ``-1`` padded."""
+    s = s[:, :, :n].clone()
+    s[:, :, n - 1] = float("inf")
+    order = torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :, :k]
+    pages = torch.where(s.gather(-1, order) > float("-inf"), order, n).sort(-1).values
+    pages = torch.where(pages == n, -1, pages)
+    return torch.cat([pages, pages.new_full((*pages.shape[:2], k - pages.shape[-1]), -1)], -1)

@@ -18,6 +18,7 @@ import time
 
 import pytest
 import torch
+from conftest import top_k_lowest_ids
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -290,16 +291,6 @@ else:
         assert torch.equal(ours_sel, ref_sel)
 
     # ---- select_pages ----------------------------------------------------------------------------------
-    def top_k_lowest_ids(s, k, n):
-        """The contract spelled out: rows cut to their ``n`` live pages, the newest forced, the ``k`` best scores
-        with ties to the lowest page ids (a stable sort), ``-inf`` never returned, ascending, ``-1`` padded."""
-        s = s[:, :, :n].clone()
-        s[:, :, n - 1] = float("inf")
-        order = torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :, :k]
-        pages = torch.where(s.gather(-1, order) > float("-inf"), order, n).sort(-1).values
-        pages = torch.where(pages == n, -1, pages)
-        return torch.cat([pages, pages.new_full((*pages.shape[:2], k - pages.shape[-1]), -1)], -1)
-
     def select_rows(kind, B, h, width, n, seed):
         """Scores of ``kind`` with -inf holes, one row with only the newest page selectable, and past the ``n``
         live pages what a kernel reading there would select (NaN, +inf)."""

@@ -160,14 +160,14 @@ def test_host_range_release_and_collection():
     t.fill_(3)
     del r
     gc.collect()
-    assert ref() is not None and mem.addr != 0  # the view keeps its range
+    assert ref() is not None and mem.start != 0  # the view keeps its range
     v = t[1:]
     del t
     gc.collect()
-    assert mem.addr != 0 and int(v.sum()) == 3 * 3 * 1024
+    assert mem.start != 0 and int(v.sum()) == 3 * 3 * 1024
     del v
     gc.collect()
-    assert ref() is None and mem.addr == 0
+    assert ref() is None and mem.start == 0
 
 
 def test_host_range_without_a_device_has_no_cuda_view():

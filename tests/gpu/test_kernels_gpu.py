@@ -7,10 +7,15 @@ Skipped without CUDA (CI never has one); run on any CUDA machine, from the repos
 from __future__ import annotations
 
 import gc
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from conftest import top_k_lowest_ids  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -213,16 +218,6 @@ def test_select_pages_large(P, k):
     s = torch.randn(40, 8, P, device=DEV)
     s[3, 2, : P // 3] = float("-inf")
     assert torch.equal(TRITON_OPS.select_pages(s, k), R.select_pages(s, k))
-
-
-def top_k_lowest_ids(s, k, n):
-    """The select's contract spelled out (ties to the lowest page ids: a stable sort); see the interpreted tests."""
-    s = s[:, :, :n].clone()
-    s[:, :, n - 1] = float("inf")
-    order = torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :, :k]
-    pages = torch.where(s.gather(-1, order) > float("-inf"), order, n).sort(-1).values
-    pages = torch.where(pages == n, -1, pages)
-    return torch.cat([pages, pages.new_full((*pages.shape[:2], k - pages.shape[-1]), -1)], -1)
 
 
 @pytest.mark.parametrize("n,width", [(2049, 16384), (2049, 2049), (16384, 16384), (2049, 131072)])
