@@ -32,9 +32,8 @@ from .layer.schedule import DecodeState, state_for_device
 from .model_check import check_served
 from .stats import CacheAccounting, CacheStats
 from .tiers import check_host_limit
-from .pages import room_pages
 from .recycling import KEEPER, storage_key
-from .reserve import before_step, compileable_unsized, make_room
+from .reserve import before_step, compileable_unsized, plan_forward, reserve_first
 from .settings import resolve_settings
 from .rerank import SelectionObserver
 
@@ -93,7 +92,7 @@ class FlexiCache(CacheAccounting, Cache):
             raise ValueError(f"max_cache_len must be None or a positive number of tokens, got {max_cache_len!r}")
         self.max_tokens = max_cache_len  # not `max_cache_len`: transformers 5.17 has a property of that name
         self.prompt_tokens = 0
-        self.storage_reused = False  # whether this cache's storage came from a dropped one (recycling.py)
+        self.storage_reused, self.first_reserve = False, None  # recycling.py's flag; reserve.plan_forward's plan
         # The step schedule, one DecodeState per device a layer lives on (a model split by device_map has several;
         # they hold the same values), made when the first layer on each device allocates.
         self.states: dict[str, DecodeState] = {}
@@ -158,9 +157,9 @@ class FlexiCache(CacheAccounting, Cache):
             self.sync()  # after graph replays: the host learns the length (and refuses an overflow)
         start, T = layer.seq_len, key_states.shape[2]
         self.check_length(start + T)
-        if layer_idx == 0:  # every layer's host tier, before any layer grows
-            plan_host(self.layers, start + T, key_states, self.tp_size, self.config.host_memory_limit)
-            make_room(self, room_pages(start + T, self.config.page_size), key_states.device)  # reserve.py
+        if layer_idx == 0:  # every layer's host tier, before any layer grows or commits (reserve.py)
+            self.first_reserve = plan_forward(self, start + T, key_states, plan_host)
+        reserve_first(self, layer)  # a first forward's layer laid out reserved before it stores: no move
         # (room only: the tokens stay as they are; the other layers' host bytes are summed only when it grows)
         layer.grow(start + T, self.host_bytes() - layer.host_bytes() if layer.grows(start + T) else 0)
         self.guard.begin(layer_idx, "update", empty=start == 0)  # validated: from here on storage changes

@@ -10,15 +10,20 @@ view over a reserved range (:class:`~flexicache_hf.vmm.DeviceRange` on CUDA, a p
 code) of which only a prefix is committed: the pages the held tokens need plus :data:`CHUNK_TOKENS` of headroom.  The
 page table and the small buffers are ordinary tensors of the reserved width.
 
-When: the first forward (the prompt) of a cache made without ``model_config`` does not know the context yet (the
-model's config reaches the cache at its first attention), so it is stored the growing way and moved once into
-reserved storage before the next forward: at ``get_mask_sizes`` (which ``generate`` calls eagerly before each step)
-or at that forward's first update.  Growth: at layer 0's update of an eager forward (after the length and host
-checks, before any write) and, for compiled steps, at ``get_mask_sizes``, one chunk ahead of the host's upper bound
-of the length (``DecodeState.announce``; no synchronisation on the common path), so a captured step never writes
-uncommitted memory.  ``host_memory_limit`` is checked on every layer's committed host bytes before any layer
-commits.  Committed memory is never given back while the cache lives (``reset`` keeps it, as a sized cache keeps
-its buffers); dropping the cache frees it (reserved caches are not recycled, :mod:`~flexicache_hf.recycling`).
+When: from the first forward where the context is known at layer 0's update (a cache made with ``model_config``, or
+one that learned it at an earlier forward): :func:`plan_first` checks the host cap on every layer's committed bytes
+(a layer not yet initialised predicted from layer 0's states) and each layer is laid out reserved at its own update,
+before it stores, so the prompt is written once into committed reserved storage (no growing allocation, no move).
+A cache made without ``model_config`` learns the context only at its first attention, after layer 0's update has
+stored the prompt (transformers hands ``update`` no config), so that first prompt is stored the growing way and moved
+once into reserved storage before the next forward: at ``get_mask_sizes`` (which ``generate`` calls eagerly before
+each step) or at that forward's first update (:func:`make_room`).  Growth: at layer 0's update of an eager
+forward (after the length and host checks, before any write) and, for compiled steps, at ``get_mask_sizes``, one
+chunk ahead of the host's upper bound of the length (``DecodeState.announce``; no synchronisation on the common
+path), so a captured step never writes uncommitted memory.  ``host_memory_limit`` is checked on every layer's
+committed host bytes before any layer commits.  Committed memory is never given back while the cache lives
+(``reset`` keeps it, as a sized cache keeps its buffers); dropping the cache frees it (reserved caches are not
+recycled, :mod:`~flexicache_hf.recycling`).
 """
 
 from __future__ import annotations
@@ -178,7 +183,8 @@ def make_room(cache, need: int, device: torch.device) -> None:
     """Reserved storage for every layer of ``cache`` with room for ``need`` pages (eager: before any write of the
     forward; compiled: before the step).  Layers still growing (after the first prompt) are moved into reserved
     storage first.  Refuses (HostMemoryError), before anything changes, when the layers' committed host bytes would
-    pass ``host_memory_limit``.  Nothing happens unless every layer is initialised and the cache reserves."""
+    pass ``host_memory_limit``.  Nothing happens unless every layer is initialised and the cache reserves (a forward
+    that initialises a layer is laid out by :func:`plan_first` instead)."""
     context = context_for(cache, device)
     layers = cache.layers
     if context is None or not all(layer.is_initialized for layer in layers):
@@ -196,6 +202,47 @@ def make_room(cache, need: int, device: torch.device) -> None:
         layer.reserve(context, need)
     for state in cache.states.values():
         state.capacity = context  # the schedule refuses (and clamps) past the context, as for max_cache_len
+
+
+def plan_first(cache, need: int, key_states: torch.Tensor) -> tuple[int, int] | None:
+    """At layer 0's update of a forward that some layer serves for the first time (a new cache, or a layer made anew
+    for another batch or dtype) when the context is known then (``model_config``, or learned at an earlier forward):
+    ``(context, need)``, after which each layer is laid out reserved at its own update, before it stores anything
+    (:meth:`~flexicache_hf.layer.face.FlexiCacheLayer.reserve`), so the prompt is written once into committed
+    reserved storage; else None (:func:`make_room` and the growing path serve).  Refuses (HostMemoryError), before
+    anything changes, when the layers' committed host bytes would pass ``host_memory_limit`` (a layer before its
+    first forward: predicted from these states)."""
+    layers = cache.layers
+    context = context_for(cache, key_states.device)
+    if context is None or all(layer.is_initialized and (layer.seq_len or layer.storage.fits(key_states))
+                              for layer in layers):
+        return None
+    if any(layer.is_initialized and layer.seq_len and layer.storage.reserved is None for layer in layers):
+        return None  # (a growing layer holding tokens: moved by make_room once every layer is initialised)
+    check_host_limit(sum(layer.reserve_host_plan(context, need, key_states, cache.tp_size) for layer in layers),
+                     cache.config.host_memory_limit)
+    for state in cache.states.values():
+        state.capacity = context  # as make_room: the schedule refuses (and clamps) past the context
+    return context, need
+
+
+def plan_forward(cache, end: int, key_states: torch.Tensor, plan_host) -> tuple[int, int] | None:
+    """At layer 0's update, before any layer grows or commits: a forward laid out reserved layer by layer
+    (:func:`plan_first`'s plan, returned), else the growing layers' host check (``plan_host``) and room in reserved
+    storage (:func:`make_room`) for ``end`` tokens."""
+    need = room_pages(end, cache.config.page_size)
+    plan = plan_first(cache, need, key_states)
+    if plan is None:
+        plan_host(cache.layers, end, key_states, cache.tp_size, cache.config.host_memory_limit)
+        make_room(cache, need, key_states.device)
+    return plan
+
+
+def reserve_first(cache, layer) -> None:
+    """At each layer's update of a forward :func:`plan_forward` planned reserved: lay the layer out for the context
+    (or commit its room) before it stores, so the prompt is written once into committed reserved storage."""
+    if cache.first_reserve is not None:
+        layer.reserve(*cache.first_reserve)
 
 
 def before_step(cache, tokens: int, check_room) -> None:

@@ -74,6 +74,52 @@ def test_an_unsized_cache_is_compileable_and_reserved_for_the_context(setup):
         assert layer.get_mask_sizes(1) == (4096, 0)  # the same mask every decode step
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_with_model_config_the_prompt_is_written_once_into_reserved_storage(setup, monkeypatch, compiled):
+    """The context known from model_config: every layer is laid out reserved at its update of the first forward,
+    before it stores the prompt, so no growing storage is ever allocated (and nothing is moved)."""
+    from flexicache_hf.layer.storage import LayerStorage
+    from flexicache_hf.tiers import HostTier
+
+    cfg, fc, dense, ids, mask, profile = setup
+    grown = []
+    grow = LayerStorage.ensure_capacity
+
+    def spy_grow(self, end, stored, max_tokens, host_elsewhere):
+        if self.pages_for(end, max_tokens) is not None:
+            grown.append(end)  # the growing path would allocate here
+        return grow(self, end, stored, max_tokens, host_elsewhere)
+
+    def spy_host_grow(self, *args, **kwargs):
+        raise AssertionError("a growing host tier was allocated")
+
+    monkeypatch.setattr(LayerStorage, "ensure_capacity", spy_grow)
+    monkeypatch.setattr(HostTier, "grow", spy_host_grow)
+    torch._dynamo.reset()
+    cache = make(profile, model_config=cfg)
+    fc(ids, attention_mask=mask, past_key_values=cache)  # the prompt alone
+    for layer in cache.layers:
+        res = layer.storage.reserved
+        assert res is not None and res.tokens == 4096 and res.committed * PS <= 13 + CHUNK + 2 * PS
+    assert grown == []
+    cache = make(profile, model_config=cfg)
+    assert torch.equal(generate(fc, ids, mask, cache, 30, compiled), want(dense, ids, mask, 30))
+    assert grown == [] and all(layer.storage.reserved is not None for layer in cache.layers)
+
+
+def test_with_model_config_the_host_limit_refuses_the_first_forward_before_it_stores(setup):
+    cfg, fc, dense, ids, mask, profile = setup
+    probe = make(profile, model_config=cfg)
+    fc(ids, attention_mask=mask, past_key_values=probe)
+    assert probe.host_bytes() > 0
+    cache = make(profile, model_config=cfg, host_memory_limit=probe.host_bytes() - 1)
+    with pytest.raises(HostMemoryError):
+        fc(ids, attention_mask=mask, past_key_values=cache)
+    assert cache.get_seq_length() == 0 and cache.host_bytes() == 0
+    cache = make(profile, model_config=cfg, host_memory_limit=probe.host_bytes())
+    assert torch.equal(generate(fc, ids, mask, cache, 3), want(dense, ids, mask, 3))
+
+
 def test_compiled_decode_grows_without_a_new_graph(setup):
     cfg, fc, dense, ids, mask, profile = setup
     torch._dynamo.reset()

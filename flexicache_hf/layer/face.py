@@ -17,7 +17,8 @@ from transformers.cache_utils import CacheLayerMixin
 from ..config import FlexiCacheConfig
 from ..head_profile import ModelIdentity
 from ..kernels import ops_for
-from ..pages import room_capacity
+from ..pages import room_capacity, room_pages
+from ..reserve import host_commit_bytes, target_pages
 from ..rerank import Reranker, SelectionObserver
 from ..sharding import TensorParallel, kv_head_shard
 from ..tiers import tier_block, tier_pages
@@ -290,6 +291,25 @@ class FlexiCacheLayer(CacheLayerMixin):
             return []
         pages = tier_pages(pages, key_states.device.type == "cuda", headroom=not sized)
         return [tier_block(B, heads, ps, D, key_states.dtype, pages)] * 2
+
+    def reserve_host_plan(self, context: int, need: int, key_states: torch.Tensor, tp_size: int | None = None) -> int:
+        """Host bytes this layer's tier holds once :meth:`reserve` made room for ``need`` pages in storage reserved for
+        ``context`` tokens (integers only).  Before the layer's first forward (or for a kept layer of another batch or
+        dtype, made anew at its update) they are predicted from ``key_states`` and the profile, as in
+        :meth:`host_plan` (0 for states the layer will refuse)."""
+        B, H, _, D = key_states.shape
+        if self.is_initialized and (self.seq_len or self.storage.fits(key_states)):
+            plan = self.storage.reserve_plan(context, need, self.stored_end)
+            return self.host_bytes() if plan is None else plan
+        if not self.config.offload:
+            return 0
+        try:
+            shard = kv_head_shard(self.spec.model, self.layer_idx, H, D, TensorParallel.of_process(tp_size))
+        except ValueError:  # ProfileError too: the layer refuses these states itself at its first forward
+            return 0
+        ps = self.config.page_size
+        pages = target_pages(need, 0, room_pages(context, ps), ps)
+        return host_commit_bytes(B, H - len(shard.to_local(self.spec.unstable)), ps, D, key_states.dtype, pages)
 
     def dense_bytes(self) -> int:
         """Bytes ``DynamicCache`` would hold for the same tokens."""
