@@ -25,7 +25,6 @@ import errno
 import math
 import mmap
 import os
-import threading
 import time
 import warnings
 import weakref
@@ -34,6 +33,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+
+from .cuda_context import make_current
 
 PAGE = mmap.PAGESIZE
 MADV_POPULATE_WRITE = 23  # <linux/mman.h> (asm-generic), Linux 5.14+; not in Python's mmap module
@@ -157,22 +158,16 @@ def populate(addr: int, nbytes: int, chunk_bytes: int, pool: ThreadPoolExecutor 
 
 
 # ---- registration with CUDA (cuda-python's driver API, as kernels/row_copy.py uses it) ----------------------------
-_tls = threading.local()  # the devices whose primary context is current in each thread
 
 
 def _driver(device: int):
     """cuda-python's driver module with ``device``'s primary context (torch's) current in this thread."""
     try:
         from cuda.bindings import driver
-        from cuda.core import Device
+        import cuda.core  # noqa: F401  (make_current's)
     except ImportError as e:
         raise HostMemoryError(f"page-locking the host tier needs cuda-python (cuda.bindings, cuda.core): {e}") from e
-    done = getattr(_tls, "devices", None)
-    if done is None:
-        done = _tls.devices = set()
-    if device not in done:
-        Device(device).set_current()
-        done.add(device)
+    make_current(device)
     return driver
 
 

@@ -19,10 +19,11 @@ copy may not cross a registration: the driver answers ``CUDA_ERROR_INVALID_VALUE
 
 from __future__ import annotations
 
-import threading
 import warnings
 
 import torch
+
+from ..cuda_context import make_current
 
 
 def _row_pitch(t: torch.Tensor) -> int | None:
@@ -62,10 +63,9 @@ def copy_2d_args(dst: torch.Tensor, src: torch.Tensor) -> tuple[int, int, int, i
 
 
 class RowCopier:
-    """``copy_rows`` through ``cuMemcpy2DAsync``; remembers per thread which devices' contexts are current."""
+    """``copy_rows`` through ``cuMemcpy2DAsync`` (the device's context made current per thread: :mod:`~flexicache_hf.cuda_context`)."""
 
     def __init__(self):
-        self._tls = threading.local()
         self.unavailable: str | None = None  # why the driver path is off (then per-run copies are used)
 
     def _driver(self, device: torch.device):
@@ -77,15 +77,7 @@ class RowCopier:
         except ImportError as e:
             self.unavailable = f"cuda-python (cuda.bindings) not importable: {e}"
             return None
-        done = getattr(self._tls, "devices", None)
-        if done is None:
-            done = self._tls.devices = set()
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if index not in done:
-            from cuda.core import Device
-
-            Device(index).set_current()  # torch's primary context, made current for the driver API
-            done.add(index)
+        make_current(device.index if device.index is not None else torch.cuda.current_device())
         return driver
 
     def copy_rows(self, dst: torch.Tensor, src: torch.Tensor) -> None:

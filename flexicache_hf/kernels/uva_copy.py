@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cuda_context import make_current
 from . import reference
 
 _SOURCE = r"""
@@ -143,7 +144,6 @@ class PageCopier:
         self.host_grid, self.device_grid, self.chunk_pages, self.threads = host_grid, device_grid, chunk_pages, threads
         self._kernels: dict[int, object] = {}
         self._lock = threading.Lock()
-        self._tls = threading.local()  # devices made current in this thread (cuda.core wants it per thread)
         self._streams: dict[int, object] = {}  # torch stream handle -> borrowed cuda.core Stream
         self.unavailable: str | None = None  # why the kernel cannot be used (then torch indexing is)
 
@@ -168,16 +168,6 @@ class PageCopier:
                     warnings.warn(f"FlexiCache: {self.unavailable}; tier copies fall back to torch indexing")
                     kern = None
         return kern
-
-    def _make_current(self, index: int) -> None:
-        done = getattr(self._tls, "devices", None)
-        if done is None:
-            done = self._tls.devices = set()
-        if index not in done:
-            from cuda.core import Device
-
-            Device(index).set_current()
-            done.add(index)
 
     def _stream(self, index: int, handle: int):
         """The cuda.core Stream borrowing torch's stream ``handle`` (wrapped once, then reused)."""
@@ -257,7 +247,7 @@ class PageCopier:
         import numpy as np
         from cuda.core import LaunchConfig, launch
 
-        self._make_current(index)
+        make_current(index)
         stream = self._stream(index, torch.cuda.current_stream(device).cuda_stream)
         plan = plan_launches(m, touches_host, host_grid=self.host_grid, device_grid=self.device_grid,
                              chunk_pages=self.chunk_pages)
