@@ -39,7 +39,7 @@ from .tiers import check_host_limit, tier_block
 from .host_memory import PAGE
 from .vmm import DeviceRange, HostRange, round_up, vmm_supported
 
-CHUNK_TOKENS = 1024
+CHUNK_TOKENS = 256
 """Tokens of headroom committed at each growth (rounded up to whole pages; a device range rounds up to its granule,
 2 MiB on Hopper, anyway).  Module-level: tests set it small to cross many chunk boundaries."""
 
@@ -128,25 +128,31 @@ class Reservation:
             return pages * lay.batch * self.heads * D * size
         return tier_block(lay.batch, lay.num_slot_heads, ps, D, self.dtype, pages)[0]  # host k / v
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """Reserve the ranges (once) and return the reserved-shape views: ``k``, ``v`` (pools), ``min``, ``max``
-        (MinMax, page-major) and, with offloaded heads, ``host_k``, ``host_v`` (+ ``host_k_dev`` / ``host_v_dev``
-        on CUDA: the pinned tier's device views)."""
+    def tensors(self, pages: int) -> dict[str, torch.Tensor]:
+        """Reserve the ranges (once), commit their first ``pages`` pages (:meth:`commit`), and return the
+        reserved-shape views: ``k``, ``v`` (pools), ``min``, ``max`` (MinMax, page-major) and, with offloaded heads,
+        ``host_k``, ``host_v`` (+ ``host_k_dev`` / ``host_v_dev`` on CUDA: the pinned tier's device views).  The
+        ranges are committed before any view is made (a view of an empty range would commit a first sliver on its
+        own, and a pinned host range registered as a sliver and then the rest is two registrations, which one 2D
+        row copy may not cross)."""
         lay, ps, D, P = self.layout, self.page_size, self.head_dim, self.pages
         shapes = {"k": (lay.num_physical, ps, D), "v": (lay.num_physical, ps, D),
                   "min": (P, lay.batch, self.heads, D), "max": (P, lay.batch, self.heads, D)}
         if lay.num_slot_heads:
             shapes["host_k"] = shapes["host_v"] = (P, lay.batch, lay.num_slot_heads, ps, D)
         run = tier_block(lay.batch, lay.num_slot_heads, ps, D, self.dtype, 1)[1]  # chunks end on page runs
+        for name in shapes:
+            if name not in self.ranges:
+                host = name.startswith("host")
+                self.ranges[name] = _range(self._bytes(name, P), self.device, host, run if host else 1)
+        self._grow(pages)
         out = {}
         for name, shape in shapes.items():
-            host = name.startswith("host")
-            if name not in self.ranges:
-                self.ranges[name] = _range(self._bytes(name, P), self.device, host, run if host else 1)
             rng = self.ranges[name]
             out[name] = rng.tensor(shape, self.dtype)
-            if host and self.device.type == "cuda":
+            if name.startswith("host") and self.device.type == "cuda":
                 out[name + "_dev"] = rng.cuda_tensor(shape, self.dtype)
+        self.commit(pages, out["min"], out["max"])
         return out
 
     def host_bytes_at(self, pages: int) -> int:
@@ -166,11 +172,14 @@ class Reservation:
         old = self.committed
         if pages <= old:
             return
-        for name, rng in self.ranges.items():
-            rng.grow_to(self._bytes(name, pages))
+        self._grow(pages)
         mins[old:pages].fill_(float("inf"))
         maxs[old:pages].fill_(float("-inf"))
         self.committed = pages
+
+    def _grow(self, pages: int) -> None:
+        for name, rng in self.ranges.items():
+            rng.grow_to(self._bytes(name, pages))
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)

@@ -152,3 +152,33 @@ def test_row_copy_2d_arguments_move_a_chunk_into_the_page_major_tier_and_back(B,
         for d, s in blocks(span.rows(back), span.pages(tier)):
             replay_2d(copy_2d_args(d, s), back, tier)
     assert torch.equal(back, chunk)
+
+
+@pytest.mark.parametrize("cuts", [(), (3,), (1, 7), (0, 5, 6, 11)])
+def test_row_copy_across_registrations_is_cut_into_halves_that_each_lie_in_one(cuts):
+    """A 2D copy whose host rows cross a registration (the driver's CUDA_ERROR_INVALID_VALUE) is cut in halves of
+    rows until none crosses: every row is copied once, no copy that the driver took crosses a boundary, and no
+    per-run fallback is needed (cuts: the registration boundaries, as row indices where a new piece begins)."""
+    from flexicache_hf.kernels.row_copy import RowCopier
+
+    class Driver:  # cuMemcpy2DAsync's contract as far as registrations go: a copy stays inside one registration
+        pass
+
+    pitch, width, height, base = 64, 48, 12, 1 << 20
+    bounds = [base + c * pitch for c in cuts]
+    taken: list[tuple[int, int]] = []
+
+    def copy_2d(self, driver, device, args):
+        src, height = args[2], args[5]
+        end = src + (height - 1) * pitch + width
+        if any(src < b < end for b in bounds):
+            return None  # crosses a registration
+        taken.append(((src - base) // pitch, height))
+        return True
+
+    copier = RowCopier()
+    copier._copy_2d = copy_2d.__get__(copier)
+    assert copier._copy_split(Driver(), None, (0, pitch, base, pitch, width, height))
+    rows = sorted(r for start, n in taken for r in range(start, start + n))
+    assert rows == list(range(height))
+    assert len(taken) <= 1 + 2 * len(cuts) * height.bit_length()  # a few calls per boundary, never one per row

@@ -12,9 +12,11 @@ asynchronous on the current stream, no SMs taken from the concurrent prefill, no
 page is one call (its runs: every (row, head)); a span of ``P`` whole pages is ``min(P, B * heads)`` calls, one per
 page (runs: every (row, head)) or one per (row, head) (runs: every page), whichever is fewer.
 
-Fallback: without cuda-python, for layouts a 2D copy cannot express, or for host memory registered in pieces (a 2D
-copy may not cross a registration: the driver answers ``CUDA_ERROR_INVALID_VALUE``, measured on the H200), one
-``copy_(non_blocking=True)`` per contiguous run (still asynchronous into pinned memory).
+Host memory registered in pieces (a block pinned in pieces, a reserved range committed chunk by chunk): one 2D copy
+may not cross a registration (the driver answers ``CUDA_ERROR_INVALID_VALUE``, measured on the H200), so such a copy
+is cut in halves of rows until each half lies in one registration (pieces never split a run).  Fallback: without
+cuda-python, or for layouts a 2D copy cannot express, one ``copy_(non_blocking=True)`` per contiguous run (still
+asynchronous into pinned memory).
 """
 
 from __future__ import annotations
@@ -96,12 +98,30 @@ class RowCopier:
         driver = self._driver(cuda[0])
         for d, s in blocks(dst, src):
             args = copy_2d_args(d, s)
-            if driver is None or args is None or not self._copy_2d(driver, cuda[0], args):
+            if driver is None or args is None or not self._copy_split(driver, cuda[0], args):
                 self._per_run(d, s)
 
-    def _copy_2d(self, driver, device: torch.device, args: tuple[int, int, int, int, int, int]) -> bool:
-        """One ``cuMemcpy2DAsync`` (:func:`copy_2d_args`); False where it failed: for this block only where it crossed
-        a registration of host memory pinned in pieces, else with the driver path off from then on."""
+    def _copy_split(self, driver, device: torch.device, args: tuple[int, int, int, int, int, int]) -> bool:
+        """:meth:`_copy_2d`, and where the rows cross a registration of host memory pinned in pieces, the rows cut
+        in two halves, each copied the same way (a few more calls per registration boundary, never one per run);
+        False only where the driver path is off."""
+        done = self._copy_2d(driver, device, args)
+        if done is not None:
+            return done
+        dst, dpitch, src, spitch, width, height = args
+        if height == 1:  # one run crossing a registration: pieces never split a run, so this is no registration
+            self.unavailable = "cuMemcpy2DAsync refused a single row (CUDA_ERROR_INVALID_VALUE)"
+            warnings.warn(f"FlexiCache: {self.unavailable}; host-tier row copies fall back to one copy per row")
+            return False
+        half = height // 2
+        return (self._copy_split(driver, device, (dst, dpitch, src, spitch, width, half))
+                and self._copy_split(driver, device, (dst + half * dpitch, dpitch, src + half * spitch, spitch,
+                                                      width, height - half)))
+
+    def _copy_2d(self, driver, device: torch.device, args: tuple[int, int, int, int, int, int]) -> bool | None:
+        """One ``cuMemcpy2DAsync`` (:func:`copy_2d_args`): True when queued; None where the rows crossed a
+        registration of host memory pinned in pieces (the driver's ``CUDA_ERROR_INVALID_VALUE``); False on any other
+        failure, with the driver path off from then on."""
         p = driver.CUDA_MEMCPY2D()
         unified = driver.CUmemorytype.CU_MEMORYTYPE_UNIFIED  # pinned host pointers are device addresses (UVA)
         p.dstMemoryType, p.dstDevice, p.dstPitch = unified, args[0], args[1]
@@ -114,7 +134,7 @@ class RowCopier:
         if err == driver.CUresult.CUDA_ERROR_INVALID_VALUE:
             # The runs span host memory registered in pieces (a block the driver would not page-lock whole,
             # host_memory.py): one 2D copy may not cross a registration, a run never does (pieces are whole runs).
-            return False
+            return None
         self.unavailable = f"cuMemcpy2DAsync failed: {err}"
         warnings.warn(f"FlexiCache: {self.unavailable}; host-tier row copies fall back to one copy per row")
         return False

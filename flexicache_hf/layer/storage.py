@@ -151,9 +151,8 @@ class LayerStorage:
             slots = max(min(self.config.resident_slots, P) if self.offloads else 0, old.slots)
             res = Reservation(PoolLayout(self.batch, old.num_slot_heads, slots, old.num_full_heads, P),
                               self.num_kv_heads, ps, self.head_dim, self.dtype, self.device, context)
-            views = res.tensors()
             keep = min(num_pages(stored, ps), old.page_capacity, P)  # the pages held
-            res.commit(target_pages(max(need, keep), 0, P, ps), views["min"], views["max"])
+            views = res.tensors(target_pages(max(need, keep), 0, P, ps))
             views["min"][:keep] = self.min_pages[:keep]
             views["max"][:keep] = self.max_pages[:keep]
             self.min_pages, self.max_pages = views["min"], views["max"]
@@ -190,8 +189,7 @@ class LayerStorage:
         if n is None:
             return
         res, pool, host = self.reserved, self.pool, self.host
-        views = res.tensors()
-        res.commit(n, views["min"], views["max"])
+        views = res.tensors(n)
         views["min"][:n], views["max"][:n] = self.min_pages, self.max_pages
         views["k"][: pool.k.shape[0]], views["v"][: pool.v.shape[0]] = pool.k, pool.v
         pool.k, pool.v = views["k"], views["v"]
@@ -262,8 +260,7 @@ class LayerStorage:
         if self.reserved is not None:
             res = Reservation(new, self.num_kv_heads, self.config.page_size, self.head_dim, self.dtype, self.device,
                               self.reserved.tokens)
-            views = res.tensors()
-            res.commit(n, views["min"], views["max"])
+            views = res.tensors(n)
         pool = PagePool(new, self.full_heads, self.slot_heads, self.num_kv_heads, self.config.page_size,
                         self.head_dim, self.dtype, self.device, into=views)
         for name in ("k", "v"):
