@@ -33,7 +33,7 @@ from .model_check import check_served
 from .stats import CacheAccounting, CacheStats
 from .tiers import check_host_limit
 from .recycling import KEEPER, storage_key
-from .reserve import before_step, compileable_unsized, plan_forward, reserve_first
+from .reserve import before_step, compileable_unsized, fit_reserved, plan_forward, reserve_first
 from .settings import resolve_settings
 from .rerank import SelectionObserver
 
@@ -250,6 +250,7 @@ class FlexiCache(CacheAccounting, Cache):
         if model_config is not self._checked_config:
             self.max_positions, self.tp_size = check_served(self.profile, model_config, self.max_tokens)
             self._checked_config = model_config
+            self.max_positions = fit_reserved(self, self.max_positions)
 
     @property
     def is_compileable(self) -> bool:

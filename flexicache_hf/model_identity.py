@@ -44,6 +44,10 @@ class ModelIdentity:
     Only the shape (``same_shape``) decides compatibility; ``architecture`` and
     ``name`` are informative, because the same weights may be loaded through
     different classes (a GGUF SmolLM2 reports ``LlamaForCausalLM``).
+    ``max_positions`` (``max_position_embeddings`` in the file, optional) is the
+    context the profiled model was made for: an unsized cache reserves its storage
+    for it from its first forward, before it sees the model's config
+    (:mod:`flexicache_hf.reserve`); the config's own value rules once seen.
     """
 
     architecture: str
@@ -53,6 +57,7 @@ class ModelIdentity:
     num_kv_heads: int
     head_dim: int
     name: str | None = None
+    max_positions: int | None = None
 
     def __post_init__(self) -> None:
         for key in ("architecture", "model_type"):
@@ -69,6 +74,9 @@ class ModelIdentity:
             )
         if self.name is not None and not isinstance(self.name, str):
             raise ProfileError(f"model.name must be a string or null, found {self.name!r}")
+        if self.max_positions is not None and (not _is_int(self.max_positions) or self.max_positions <= 0):
+            raise ProfileError(f"model.max_position_embeddings must be a positive integer or absent, found "
+                               f"{self.max_positions!r}")
 
     @classmethod
     def from_config(cls, config: Any) -> ModelIdentity:
@@ -95,7 +103,9 @@ class ModelIdentity:
         name = getattr(config, "name_or_path", None)
         if name is None:
             name = getattr(config, "_name_or_path", None)
-        return cls(arch, model_type, layers, heads, kv, head_dim, None if name is None else str(name))
+        context = getattr(text, "max_position_embeddings", None)
+        return cls(arch, model_type, layers, heads, kv, head_dim, None if name is None else str(name),
+                   context if _is_int(context) and context > 0 else None)
 
     def same_shape(self, other: ModelIdentity) -> bool:
         return self._shape() == other._shape()
@@ -119,6 +129,7 @@ class ModelIdentity:
             "num_kv_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
             "name": self.name,
+            **({} if self.max_positions is None else {"max_position_embeddings": self.max_positions}),
         }
 
     @classmethod
@@ -129,10 +140,11 @@ class ModelIdentity:
         missing = [k for k in required if k not in d]
         if missing:
             raise ProfileError(f"'model' is missing keys {missing}; expected {list(required) + ['name']}")
-        extra = sorted(set(d) - set(required) - {"name"})
+        optional = ("name", "max_position_embeddings")
+        extra = sorted(set(d) - set(required) - set(optional))
         if extra:
-            raise ProfileError(f"'model' has unexpected keys {extra}; expected {list(required) + ['name']}")
-        return cls(**{k: d[k] for k in required}, name=d.get("name"))
+            raise ProfileError(f"'model' has unexpected keys {extra}; expected {list(required) + list(optional)}")
+        return cls(**{k: d[k] for k in required}, name=d.get("name"), max_positions=d.get("max_position_embeddings"))
 
 
 def _identity(model: Any) -> ModelIdentity:

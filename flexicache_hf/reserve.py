@@ -64,19 +64,42 @@ def compileable_unsized() -> bool:
 
 
 def context_for(cache, device: torch.device) -> int | None:
-    """The tokens ``cache``'s layers on ``device`` are reserved for (the model's context), or None: sized, not
-    compileable, context not known yet, or a CUDA device without VMM (today's growing eager path, warned once)."""
-    if (cache.max_tokens is not None or cache.kernels is not None or cache.observer is not None
-            or cache.max_positions is None):
+    """The tokens ``cache``'s layers on ``device`` are reserved for, or None: sized, not compileable, context not
+    known yet, or a CUDA device without VMM (today's growing eager path, warned once).  The context: the model's
+    (``max_position_embeddings``, once the cache saw its config), else the profile's record of it
+    (:attr:`~flexicache_hf.model_identity.ModelIdentity.max_positions`: the README's call, which hands the cache no
+    config, is reserved from its first forward)."""
+    context = cache.max_positions if cache.max_positions is not None else cache.profile.model.max_positions
+    if cache.max_tokens is not None or cache.kernels is not None or cache.observer is not None or context is None:
         return None
     if supported(device):
-        return cache.max_positions
+        return context
     if not getattr(cache, "_warned_unreserved", False):
         cache._warned_unreserved = True
         warnings.warn(f"FlexiCache: {device} has no virtual memory management, so this unsized cache grows by "
                       "re-allocation and decodes eagerly; make it with max_cache_len (prompt + max_new_tokens) for the "
                       "compiled / CUDA-graph decode step")
     return None
+
+
+def fit_reserved(cache, context: int | None) -> int | None:
+    """The context ``cache`` serves once it saw the model's config (``context``: its ``max_position_embeddings``).
+    Layers already reserved for fewer tokens (the profile's record of the context, where the model allows more) keep
+    their reservation and the cache refuses past it (warned once); the schedules' capacity follows a smaller one."""
+    reserved = [layer.storage.reserved.tokens for layer in cache.layers
+                if layer.is_initialized and layer.storage.reserved is not None]
+    if not reserved:
+        return context
+    limit = min(reserved)
+    if context is None or context > limit:
+        warnings.warn(f"FlexiCache: this cache's storage was reserved for {limit} positions (its profile's record of "
+                      f"the model's context) before it saw the model's config ({context}); longer sequences are "
+                      "refused: make the cache with model_config=model.config to reserve the model's context")
+        context = limit
+    for state in cache.states.values():
+        if state.capacity is not None:
+            state.capacity = min(state.capacity, context)
+    return context
 
 
 def target_pages(need: int, committed: int, pages: int, page_size: int) -> int:
@@ -226,6 +249,8 @@ def plan_first(cache, need: int, key_states: torch.Tensor) -> tuple[int, int] | 
     if context is None or all(layer.is_initialized and (layer.seq_len or layer.storage.fits(key_states))
                               for layer in layers):
         return None
+    if need > room_pages(context, cache.config.page_size):
+        return None  # past the profile's record of the context: the growing path, refused once the model is seen
     if any(layer.is_initialized and layer.seq_len and layer.storage.reserved is None for layer in layers):
         return None  # (a growing layer holding tokens: moved by make_room once every layer is initialised)
     check_host_limit(sum(layer.reserve_host_plan(context, need, key_states, cache.tp_size) for layer in layers),

@@ -4,6 +4,7 @@ are pageable (``MAP_NORESERVE``) and the same code runs; ``reserve.CHUNK_TOKENS`
 dozen tokens cross several chunk boundaries."""
 
 import copy
+import dataclasses
 import pickle
 
 import pytest
@@ -74,10 +75,17 @@ def test_an_unsized_cache_is_compileable_and_reserved_for_the_context(setup):
         assert layer.get_mask_sizes(1) == (4096, 0)  # the same mask every decode step
 
 
+def without_context(profile):
+    """``profile`` as a file that does not record the model's context (made before profiles recorded it)."""
+    return dataclasses.replace(profile, model=dataclasses.replace(profile.model, max_positions=None))
+
+
+@pytest.mark.parametrize("known", ["model_config", "profile"])
 @pytest.mark.parametrize("compiled", [False, True])
-def test_with_model_config_the_prompt_is_written_once_into_reserved_storage(setup, monkeypatch, compiled):
-    """The context known from model_config: every layer is laid out reserved at its update of the first forward,
-    before it stores the prompt, so no growing storage is ever allocated (and nothing is moved)."""
+def test_the_prompt_is_written_once_into_reserved_storage(setup, monkeypatch, compiled, known):
+    """The context known from model_config, or from the profile's record of it (the README's call): every layer is
+    laid out reserved at its update of the first forward, before it stores the prompt, so no growing storage is ever
+    allocated (and nothing is moved)."""
     from flexicache_hf.layer.storage import LayerStorage
     from flexicache_hf.tiers import HostTier
 
@@ -96,15 +104,46 @@ def test_with_model_config_the_prompt_is_written_once_into_reserved_storage(setu
     monkeypatch.setattr(LayerStorage, "ensure_capacity", spy_grow)
     monkeypatch.setattr(HostTier, "grow", spy_host_grow)
     torch._dynamo.reset()
-    cache = make(profile, model_config=cfg)
+    kw = dict(model_config=cfg) if known == "model_config" else {}
+    if known == "model_config":
+        profile = without_context(profile)
+    cache = make(profile, **kw)
     fc(ids, attention_mask=mask, past_key_values=cache)  # the prompt alone
     for layer in cache.layers:
         res = layer.storage.reserved
         assert res is not None and res.tokens == 4096 and res.committed * PS <= 13 + CHUNK + 2 * PS
     assert grown == []
-    cache = make(profile, model_config=cfg)
+    cache = make(profile, **kw)
     assert torch.equal(generate(fc, ids, mask, cache, 30, compiled), want(dense, ids, mask, 30))
     assert grown == [] and all(layer.storage.reserved is not None for layer in cache.layers)
+
+
+def test_a_profile_without_the_context_stores_the_first_prompt_growing_then_moves_it_once(setup):
+    cfg, fc, dense, ids, mask, profile = setup
+    cache = make(without_context(profile))
+    fc(ids, attention_mask=mask, past_key_values=cache)
+    assert all(layer.storage.reserved is None for layer in cache.layers)  # the context was not known at layer 0
+    cache = make(without_context(profile))
+    assert torch.equal(generate(fc, ids, mask, cache, 30), want(dense, ids, mask, 30))
+    assert all(layer.storage.reserved is not None and layer.storage.reserved.tokens == 4096
+               for layer in cache.layers)
+
+
+def test_a_profile_recording_less_context_than_the_model_refuses_past_its_reservation(setup):
+    """Reserved from the profile's record (64 tokens) before the model's config (4096) is seen: the reservation is
+    kept, a warning names model_config, and a sequence past it is refused with the cache unchanged."""
+    cfg, fc, dense, ids, mask, profile = setup
+    small = dataclasses.replace(profile, model=dataclasses.replace(profile.model, max_positions=64))
+    cache = make(small)
+    with pytest.warns(UserWarning, match="model_config"):
+        out = generate(fc, ids, mask, cache, 8)
+    assert torch.equal(out, want(dense, ids, mask, 8))
+    assert cache.max_positions == 64 and all(layer.storage.reserved.tokens == 64 for layer in cache.layers)
+    held = cache.get_seq_length()
+    with pytest.raises(ValueError, match="64"):
+        fc(torch.randint(2, 90, (2, 60)), attention_mask=torch.ones(2, held + 60, dtype=torch.long),
+           past_key_values=cache)
+    assert cache.get_seq_length() == held
 
 
 def test_with_model_config_the_host_limit_refuses_the_first_forward_before_it_stores(setup):
@@ -137,15 +176,22 @@ def test_compiled_decode_grows_without_a_new_graph(setup):
 
 
 def test_committed_bytes_follow_the_tokens(setup):
+    """An unsized cache, reserved from its first forward (the profile records the context), commits what a cache
+    sized for its tokens plus a chunk holds, far less than one sized for the context.  (Budget 64 tokens, below the
+    prompt: the slot region is laid out at its final size, a stable head's budget, as a sized cache's is.)"""
     cfg, fc, dense, _, _, profile = setup
     ids = torch.randint(2, 90, (2, 300), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     monkey_chunk = 64
     reserve.CHUNK_TOKENS = monkey_chunk
-    cache, sized, full = make(profile), make(profile, max_cache_len=300 + monkey_chunk + PS), make(profile,
-                                                                                              max_cache_len=4096)
+
+    def new(**kw):
+        return FlexiCache(profile, page_size=PS, token_budget=64, rerank_interval=3, **kw)
+
+    cache, sized, full = new(), new(max_cache_len=300 + monkey_chunk + PS), new(max_cache_len=4096)
     for c in (cache, sized, full):
         generate(fc, ids, mask, c, 1)
+    assert all(layer.storage.reserved is not None for layer in cache.layers)
     for what in ("device_bytes", "host_bytes"):
         got, near, far = (getattr(c, what)() for c in (cache, sized, full))
         assert got <= near * 1.1 + 2 * 4096 * len(cache.layers) * 6  # + OS-page rounding of each range
