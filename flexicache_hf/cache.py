@@ -33,7 +33,7 @@ from .model_check import check_served
 from .stats import CacheAccounting, CacheStats
 from .tiers import check_host_limit
 from .recycling import KEEPER, storage_key
-from .reserve import before_step, compileable_unsized, fit_reserved, plan_forward, reserve_first
+from .reserve import before_step, compileable_unsized, context_for, fit_reserved, plan_forward, reserve_first
 from .settings import resolve_settings
 from .rerank import SelectionObserver
 
@@ -124,7 +124,7 @@ class FlexiCache(CacheAccounting, Cache):
     def _take_kept_storage(self, key_states: torch.Tensor) -> None:
         """At the first forward of a new cache, before anything is allocated: take the storage of the last dropped
         cache when it has this cache's shape and fits these states (any other kept storage is freed now)."""
-        kept = KEEPER.take(storage_key(self), key_states)
+        kept = KEEPER.take(storage_key(self), key_states, context_for(self, key_states.device))
         if kept is not None:
             self.layers[:] = kept.layers  # the same list and dict objects: this cache's finalizer holds them
             self.states.update(kept.states)

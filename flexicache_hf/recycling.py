@@ -1,13 +1,15 @@
-"""The storage of a dropped sized cache, kept for the next cache of the same shape (one at a time, per process).
+"""The storage of a dropped compileable cache, kept for the next cache of the same shape (one at a time, per process).
 
 A compiled decode step's CUDA graphs read a sized cache's buffers at fixed addresses.  A fresh FlexiCache has new
 buffers, so cudagraph trees record every graph again (150-195 ms on the 8B shape at 1 × 16k and 16 × 16k: 10-13
 steps) and add a node to their tree each time.  transformers spares StaticCache this by keeping the cache on the
 model and resetting it for the next ``generate``; a FlexiCache is made by the user, so the same happens from the
-other side: when a sized cache (``max_cache_len``) is dropped, its layers (device pools, MinMax cache, tables,
-pinned host tier) and its step schedule are kept here, and the next FlexiCache made with the same profile,
-configuration and ``max_cache_len`` takes them at its first forward, emptied in place as ``reset()`` empties a
-cache.  Its first decode step then replays the graphs already recorded.
+other side: when a sized cache (``max_cache_len``) or an unsized one on reserved storage (:mod:`flexicache_hf.reserve`:
+the README's call) is dropped, its layers (device pools, MinMax cache, tables, pinned host tier; for reserved storage
+its ranges, with the memory they committed) and its step schedule are kept here, and the next FlexiCache made with
+the same profile, configuration and ``max_cache_len`` (reserved: for the same context) takes them at its first
+forward, emptied in place as ``reset()`` empties a cache.  Its first decode step then replays the graphs already
+recorded, and a reserved cache's host tier needs no page-locking.
 
 At most one dropped cache's storage is held.  The first forward of any FlexiCache ends the hold, before that cache
 allocates anything: the storage is taken when it matches (and fits the batch, dtype and device), else freed.  So
@@ -51,20 +53,24 @@ class StorageKeeper:
         self._kept: KeptStorage | None = None
 
     def keep(self, key: tuple, layers: list, states: dict) -> None:
-        """Called when a cache is garbage: keep its layers if every one is sized and holds storage."""
-        if layers and all(layer.is_initialized and layer.page_capacity for layer in layers):
+        """Called when a cache is garbage: keep its layers if every one holds storage at fixed addresses."""
+        if layers and all(_passes_on(layer) for layer in layers):
             with self._lock:
                 self._kept = KeptStorage(key, layers, states)
 
-    def take(self, key: tuple | None, key_states) -> KeptStorage | None:
-        """The kept storage when it was made under ``key``, fits ``key_states`` (batch, heads, dtype, device) and
-        nothing else holds its layers; the hold ends either way.  (Checked here, not when the cache died: a cache
+    def take(self, key: tuple | None, key_states, context: int | None = None) -> KeptStorage | None:
+        """The kept storage when it was made under ``key``, fits ``key_states`` (batch, heads, dtype, device), is
+        reserved for ``context`` tokens where it is reserved storage, and nothing else holds its layers; the hold ends
+        either way.  (Checked here, not when the cache died: a cache
         the cyclic collector frees is still referenced by the rest of its garbage cycle at that moment, e.g. the
         state torch.compile's tracing left.)"""
         kept = self._pop()
         if kept is None or key is None or kept.key != key or not _unshared(kept.layers):
             return None
-        return kept if kept.layers[0].storage.fits(key_states) else None
+        storage = kept.layers[0].storage
+        if storage.reserved is not None and storage.reserved.tokens != context:
+            return None
+        return kept if storage.fits(key_states) else None
 
     def release(self) -> int:
         """Free what is kept; returns the bytes it held."""
@@ -83,12 +89,19 @@ class StorageKeeper:
 
 
 def storage_key(cache) -> tuple | None:
-    """What fixes a cache's storage before its first forward (batch, dtype and device are checked there); ``None``
-    for a cache whose storage never passes on: unsized (it grows) or with an observer (never compiled)."""
-    if cache.max_tokens is None or cache.observer is not None:
+    """What fixes a cache's storage before its first forward (batch, dtype and device are checked there, and for
+    reserved storage the context); ``None`` for a cache whose storage never passes on: with an observer (never
+    compiled), or unsized and not compileable (it grows)."""
+    if cache.observer is not None or (cache.max_tokens is None and not cache.is_compileable):
         return None
     return (type(cache), cache.profile.model, cache.profile.unstable, cache.config, cache.max_tokens, cache.kernels,
             cache.count_pages)
+
+
+def _passes_on(layer) -> bool:
+    """Whether a layer's storage has fixed addresses: sized, or reserved (:mod:`~flexicache_hf.reserve`)."""
+    return layer.is_initialized and bool(layer.page_capacity) and (
+        layer.spec.max_tokens is not None or layer.storage.reserved is not None)
 
 
 def _unshared(layers: list) -> bool:

@@ -10,11 +10,12 @@ view over a reserved range (:class:`~flexicache_hf.vmm.DeviceRange` on CUDA, a p
 code) of which only a prefix is committed: the pages the held tokens need plus :data:`CHUNK_TOKENS` of headroom.  The
 page table and the small buffers are ordinary tensors of the reserved width.
 
-When: from the first forward where the context is known at layer 0's update (a cache made with ``model_config``, or
-one that learned it at an earlier forward): :func:`plan_first` checks the host cap on every layer's committed bytes
+When: from the first forward where the context is known at layer 0's update (a cache made with ``model_config``,
+one whose profile records its model's context, as every shipped profile does -- the README's call -- or one that
+learned it at an earlier forward): :func:`plan_first` checks the host cap on every layer's committed bytes
 (a layer not yet initialised predicted from layer 0's states) and each layer is laid out reserved at its own update,
 before it stores, so the prompt is written once into committed reserved storage (no growing allocation, no move).
-A cache made without ``model_config`` learns the context only at its first attention, after layer 0's update has
+A cache made without ``model_config`` whose profile records no context learns it only at its first attention, after layer 0's update has
 stored the prompt (transformers hands ``update`` no config), so that first prompt is stored the growing way and moved
 once into reserved storage before the next forward: at ``get_mask_sizes`` (which ``generate`` calls eagerly before
 each step) or at that forward's first update (:func:`make_room`).  Growth: at layer 0's update of an eager
@@ -22,8 +23,9 @@ forward (after the length and host checks, before any write) and, for compiled s
 chunk ahead of the host's upper bound of the length (``DecodeState.announce``; no synchronisation on the common
 path), so a captured step never writes uncommitted memory.  ``host_memory_limit`` is checked on every layer's
 committed host bytes before any layer commits.  Committed memory is never given back while the cache lives
-(``reset`` keeps it, as a sized cache keeps its buffers); dropping the cache frees it (reserved caches are not
-recycled, :mod:`~flexicache_hf.recycling`).
+(``reset`` keeps it, as a sized cache keeps its buffers); a dropped cache's reserved storage, committed memory and
+all, serves the next cache of its shape and context (:mod:`~flexicache_hf.recycling`: same addresses, so its first
+decode step replays the recorded graphs and its host tier is already page-locked), or is freed.
 """
 
 from __future__ import annotations
