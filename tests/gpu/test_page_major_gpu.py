@@ -29,6 +29,8 @@ def tiers(B, H, ps, D, dtype, cap):
     cpu = HostTier(B, H, ps, D, dtype, CPU, None, CopyStream(CPU), REFERENCE_OPS)
     for t in (cuda, cpu):
         t.grow(cap)
+        t.k.zero_()  # a kept pinned block is never zeroed (it may hold NaN from its last use): compared whole below
+        t.v.zero_()
     return cuda, cpu
 
 
