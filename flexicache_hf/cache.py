@@ -96,9 +96,8 @@ class FlexiCache(CacheAccounting, Cache):
         # The step schedule, one DecodeState per device a layer lives on (a model split by device_map has several;
         # they hold the same values), made when the first layer on each device allocates.
         self.states: dict[str, DecodeState] = {}
-        self.max_positions = None
-        self.tp_size = None  # the model's tensor-parallel size, once check_model saw its config (see sharding.py)
-        self._checked_config = None
+        # the model's context and tensor-parallel size, once check_model saw its config (see sharding.py)
+        self.max_positions = self.tp_size = self._checked_config = None
         compileable = self.is_compileable
         layers = [FlexiCacheLayer(LayerSpec(i, self.profile.unstable_heads(i), self.config, self.profile.model,
                                             self.max_tokens, compileable, kernels, count_pages, observer))

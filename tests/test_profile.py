@@ -8,12 +8,14 @@ from flexicache_hf.head_profile import (
     FORMAT_VERSION, HeadProfile, ModelIdentity, ProfileError, available_profiles, resolve_profile,
 )
 
-SHIPPED = {  # stem: (name, architecture, model_type, layers, heads, kv_heads, head_dim, n_unstable)
-    "Llama-3.1-8B-Instruct": ("meta-llama/Llama-3.1-8B-Instruct", "LlamaForCausalLM", "llama", 32, 32, 8, 128, 64),
-    "Mistral-7B-Instruct-v0.2": ("mistralai/Mistral-7B-Instruct-v0.2", "MistralForCausalLM", "mistral", 32, 32, 8, 128, 64),
+SHIPPED = {  # stem: (name, architecture, model_type, layers, heads, kv_heads, head_dim, n_unstable, context)
+    "Llama-3.1-8B-Instruct": ("meta-llama/Llama-3.1-8B-Instruct", "LlamaForCausalLM", "llama", 32, 32, 8, 128, 64,
+                              131072),
+    "Mistral-7B-Instruct-v0.2": ("mistralai/Mistral-7B-Instruct-v0.2", "MistralForCausalLM", "mistral", 32, 32, 8, 128,
+                                 64, 32768),
     "Mistral-Small-24B-Instruct-2501": (
-        "mistralai/Mistral-Small-24B-Instruct-2501", "MistralForCausalLM", "mistral", 40, 32, 8, 128, 80),
-    "Qwen2.5-32B-Instruct": ("Qwen/Qwen2.5-32B-Instruct", "Qwen2ForCausalLM", "qwen2", 64, 40, 8, 128, 128),
+        "mistralai/Mistral-Small-24B-Instruct-2501", "MistralForCausalLM", "mistral", 40, 32, 8, 128, 80, 32768),
+    "Qwen2.5-32B-Instruct": ("Qwen/Qwen2.5-32B-Instruct", "Qwen2ForCausalLM", "qwen2", 64, 40, 8, 128, 128, 32768),
 }
 
 
@@ -171,9 +173,9 @@ def test_bad_construction():
 
 @pytest.mark.parametrize("stem", sorted(SHIPPED))
 def test_shipped_profiles(stem):
-    name, arch, mt, layers, heads, kv, hd, n = SHIPPED[stem]
+    name, arch, mt, layers, heads, kv, hd, n, context = SHIPPED[stem]
     p = HeadProfile.load(available_profiles()[stem])
-    assert p.model == ModelIdentity(arch, mt, layers, heads, kv, hd, name)
+    assert p.model == ModelIdentity(arch, mt, layers, heads, kv, hd, name, context)
     assert len(p.unstable) == n and p.unstable_fraction == 0.25
     assert p.scores is None and p.provenance["kind"] == "published"
     assert p.provenance["list"] == f"unstable-{n}-profile-gov_report-topk-64"
