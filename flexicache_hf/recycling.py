@@ -31,6 +31,8 @@ import sys
 import threading
 from dataclasses import dataclass
 
+import torch
+
 from .block_keeper import BLOCKS
 
 
@@ -70,6 +72,8 @@ class StorageKeeper:
         storage = kept.layers[0].storage
         if storage.reserved is not None and storage.reserved.tokens != context:
             return None
+        if storage.min_pages.is_inference() and not torch.is_inference_mode_enabled():
+            return None  # made under torch.inference_mode(): its tensors may not be updated in place outside it
         return kept if storage.fits(key_states) else None
 
     def release(self) -> int:

@@ -164,3 +164,23 @@ def test_a_cache_dropped_after_a_failed_forward_serves_the_next_one_cleanly(setu
     got = gen(fc, b, taken)
     release_storage()
     assert torch.equal(got, gen(fc, b, FlexiCache(prof, **SIZED)))
+
+
+@pytest.mark.parametrize("kw", [SIZED, UNSIZED], ids=["sized", "reserved"])
+def test_storage_made_under_inference_mode_is_not_handed_to_a_cache_outside_it(setup, kw):
+    """Tensors made under ``torch.inference_mode()`` may not be updated in place outside it: such kept storage is
+    freed, not handed on (a cache outside inference mode allocates its own), and taken inside inference mode."""
+    fc, prof, a, b = setup
+    with torch.inference_mode():
+        gen(fc, a, FlexiCache(prof, **kw))
+    assert kept_storage_bytes() > 0
+    outside = FlexiCache(prof, **kw)
+    got = gen(fc, b, outside)
+    assert not outside.storage_reused
+    assert torch.equal(got, gen(fc, b, FlexiCache(prof, **kw)))
+    del outside
+    with torch.inference_mode():
+        gen(fc, a, FlexiCache(prof, **kw))
+        inside = FlexiCache(prof, **kw)
+        gen(fc, b, inside)
+        assert inside.storage_reused
