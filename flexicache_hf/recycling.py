@@ -86,6 +86,12 @@ class StorageKeeper:
             kept, self._kept = self._kept, None
         return kept
 
+    def held_layers(self) -> int:
+        """Layers of the dropped cache held (0 or its layer count)."""
+        with self._lock:
+            kept = self._kept
+        return 0 if kept is None else len(kept.layers)
+
     def held_bytes(self) -> int:
         with self._lock:
             kept = self._kept

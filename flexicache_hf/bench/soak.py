@@ -3,7 +3,8 @@
 ``python -m flexicache_hf.bench.soak [--calls 1000] [--model tiny|smollm2] [--device cpu|cuda] [--out FILE]``
 
 Every ``--every`` calls it records, after ``gc.collect()``: live objects by type (FlexiCache, FlexiCacheLayer,
-tensors, all gc-tracked objects), how many caches were still alive *before* the collection (those only a
+tensors, all gc-tracked objects), the layers of the last dropped cache kept for the next one (``kept_layers``,
+:mod:`~flexicache_hf.recycling`: at most one cache's), how many caches were still alive *before* the collection (those only a
 reference cycle keeps: their tensors wait for the cyclic collector), the process RSS before and after
 ``malloc_trim(0)`` (glibc: memory freed but kept by the allocator is handed back), and on CUDA the device bytes
 allocated / reserved, the pinned host bytes of torch's caching host allocator
@@ -112,6 +113,7 @@ def soak(*, calls: int = 1000, model: str = "tiny", device: str = "cpu", dtype: 
     """Run the soak and return its report (see the module docstring)."""
     from ..cache import FlexiCache
     from ..config import FlexiCacheConfig
+    from ..recycling import KEEPER
 
     dev = torch.device(device)
     if model == "tiny":
@@ -146,7 +148,8 @@ def soak(*, calls: int = 1000, model: str = "tiny", device: str = "cpu", dtype: 
             lingering = sum(issubclass(type(o), FlexiCache) for o in gc.get_objects())  # alive before collecting
             gc.collect()
             row = {"calls": done, "seconds": round(time.perf_counter() - t0, 2),
-                   "caches_alive_before_gc": lingering, **live_counts(), "rss": rss_bytes()}
+                   "caches_alive_before_gc": lingering, **live_counts(), "rss": rss_bytes(),
+                   "kept_layers": KEEPER.held_layers()}  # the last dropped cache's, kept for the next (recycling.py)
             if libc is not None:
                 libc.malloc_trim(0)
                 row["rss_after_malloc_trim"] = rss_bytes()

@@ -188,7 +188,10 @@ def run_row(model, ids, row, args, profile, warmed: set, *, again: bool = True) 
         if compiled:
             t = time.perf_counter()
             res, _, _ = generate_once(model, ids, row, args, new, profile=profile, stop_after=WARMUP_STEPS)
+            # warmup_ttft_s: the row's first cache's time to first token (the prefill runs eagerly, before the
+            # decode step compiles): for the first cache row of a process, its first cache's (page-locking included)
             warm = {"warmup_s": time.perf_counter() - t, "warmup_graphs_added": res["dynamo_graphs_added"],
+                    "warmup_ttft_s": res.get("ttft_s"),
                     "compile_skipped": res["dynamo_graphs_added"] == 0}  # generate declined to compile
         elif row not in warmed:
             generate_once(model, ids[:1, :1024], row, args, 8, profile=profile)
