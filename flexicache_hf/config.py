@@ -69,6 +69,10 @@ class FlexiCacheConfig:
             device, allow: the oracle's ranking for those heads, at the cost of reading their keys every step.
         unstable_bound_shrink: ``bound_shrink`` for the unstable heads only (``None``: the same as the stable
             heads'; not with ``unstable_group_score="exact"``, which uses no bound).
+        exact_candidates: with ``unstable_group_score="exact"``, ``n > 0`` ranks exactly only each unstable head's
+            ``n * token_budget / page_size`` pages of the largest min/max bound (the group maximum of Quest's
+            bound, the same step's query), so their keys alone are read: the exact ranking's cost follows the
+            budget, not the context.  ``0`` (the default): every page (the exact mass over the whole context).
         stagger_reranks: ``True`` (the default): layer ``l`` re-ranks its stable heads on the steps
             ``s ≡ l (mod R)``, ``s > 0``, so each step promotes ~1/R of the pages: the same interval per head, even
             step times (at 16 x 16k on an H200 the paper's schedule made every R-th step ~4x the median).  ``False``
@@ -92,6 +96,7 @@ class FlexiCacheConfig:
     bound_shrink: float = 1.0
     unstable_group_score: str | None = None
     unstable_bound_shrink: float | None = None
+    exact_candidates: int = 0
 
     def __post_init__(self) -> None:
         ps = self.page_size
@@ -133,6 +138,12 @@ class FlexiCacheConfig:
         if self.unstable_group_score == "exact" and self.unstable_bound_shrink not in (None, 1.0):
             raise ConfigError(f"unstable_bound_shrink does not apply to unstable_group_score='exact' (no bound), "
                               f"got {self.unstable_bound_shrink!r}")
+        n = self.exact_candidates
+        if not _is_int(n) or n < 0:
+            raise ConfigError(f"exact_candidates must be a non-negative integer, got {n!r}")
+        if n and self.unstable_group_score != "exact":
+            raise ConfigError(f"exact_candidates applies to unstable_group_score='exact' only, got exact_candidates={n} "
+                              f"with unstable_group_score={self.unstable_group_score!r}")
         cap = self.host_memory_limit
         if cap is not None and (not _is_int(cap) or cap < 0):
             raise ConfigError(f"host_memory_limit must be None or a non-negative number of bytes, got {cap!r}")

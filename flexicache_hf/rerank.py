@@ -64,7 +64,8 @@ class Reranker:
 
     def __init__(self, batch: int, num_kv_heads: int, unstable: tuple[int, ...], budget_pages: int,
                  max_recent: int, device: torch.device, sink_pages: int = 0, recent_pages: int = 0, *,
-                 stable_scoring: tuple[str, float], unstable_scoring: tuple[str, float], pages: int | None = None):
+                 stable_scoring: tuple[str, float], unstable_scoring: tuple[str, float], pages: int | None = None,
+                 exact_candidates: int = 0):
         # K pages per head, and the pages a stable head gains between re-ranks; the tensors are as wide as the
         # pages that can exist (``pages``, the layer's capacity, see fit), not as the budget: a budget beyond the
         # context costs what a budget covering it costs.
@@ -74,6 +75,7 @@ class Reranker:
         # (group_score, bound_shrink) per kind of head (FlexiCacheConfig.stable_scoring / unstable_scoring)
         self.stable_scoring, self.unstable_scoring = tuple(stable_scoring), tuple(unstable_scoring)
         self.sink_pages, self.recent_pages = sink_pages, recent_pages
+        self.exact_candidates = exact_candidates  # pages an "exact" head scores exactly (0: all; config.py)
         self.unstable_host = tuple(unstable)
         self.num_stable = num_kv_heads - len(unstable)
         self.all_heads = torch.arange(num_kv_heads, device=device)
@@ -162,10 +164,24 @@ class Reranker:
                 raise ValueError("ranking pages by the exact attention mass needs the layer's keys")
             k_pool, page_table, valid_lo, seq_len = keys
             scores = reference.exact_page_mass(query, k_pool, page_table, heads, num_pages, valid_lo, seq_len,
-                                               scale, active, lse=ops.page_lse, mass=ops.group_mass)
+                                               scale, active, lse=ops.page_lse, mass=ops.group_mass,
+                                               candidates=self._candidates(ops, query, kmin, kmax, heads, num_pages,
+                                                                           active))
         else:
             scores = ops.page_scores(query, kmin, kmax, heads, num_pages, active, group_score, scale, shrink)
         return force_pages(scores, num_pages, self.sink_pages, self.recent_pages, self.first_page)
+
+    def _candidates(self, ops: KernelOps, query, kmin, kmax, heads, num_pages, active) -> torch.Tensor | None:
+        """``[B, h, C]``: each head's ``C = exact_candidates`` pages of the largest min/max bound (the group maximum
+        of Quest's bound), which alone the exact mass then scores; ``None`` (every page) when ``C`` is 0."""
+        if not self.exact_candidates:
+            return None
+        bound = force_pages(ops.page_scores(query, kmin, kmax, heads, num_pages, active, "max", None, 1.0),
+                            num_pages, self.sink_pages, self.recent_pages, self.first_page)
+        out = torch.full((bound.shape[0], bound.shape[1], self.exact_candidates), -1, dtype=torch.long,
+                         device=bound.device)
+        ones = torch.ones(bound.shape[1], dtype=torch.bool, device=bound.device) if active is None else active
+        return ops.select_pages(bound, self.exact_candidates, num_pages=num_pages, active=ones, out=out)
 
     def attend_list(self, newest: torch.Tensor, anchor: torch.Tensor, due: torch.Tensor) -> torch.Tensor:
         """``[B, H, K + max_recent]`` logical pages each head attends to this step (-1 padded).

@@ -33,6 +33,8 @@ from __future__ import annotations
 import functools
 import math
 import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -134,12 +136,13 @@ class Reservation:
     pages committed (integers; the storage holds the tensors, views over the ranges' starts)."""
 
     def __init__(self, layout: PoolLayout, heads: int, page_size: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, tokens: int):
+                 device: torch.device, tokens: int, ranges: dict | None = None):
         self.tokens = tokens  # the context reserved for (a decode step's mask spans it)
         self.layout, self.heads, self.page_size, self.head_dim = layout, heads, page_size, head_dim
         self.dtype, self.device = dtype, device
         self.committed = 0
-        self.ranges = {}  # name -> range; made by tensors()
+        # name -> range; made by tensors(), but for the host tier's when a first forward made them ahead (HostAhead)
+        self.ranges = dict(ranges or {})
 
     @property
     def pages(self) -> int:
@@ -166,6 +169,9 @@ class Reservation:
         if lay.num_slot_heads:
             shapes["host_k"] = shapes["host_v"] = (P, lay.batch, lay.num_slot_heads, ps, D)
         run = tier_block(lay.batch, lay.num_slot_heads, ps, D, self.dtype, 1)[1]  # chunks end on page runs
+        # (ranges made ahead serve only where they are what this layout needs: else they are dropped, and freed)
+        self.ranges = {n: r for n, r in self.ranges.items() if n in shapes and r.reserved_bytes >= self._bytes(n, P)
+                       and (not n.startswith("host") or r.align == run)}
         for name in shapes:
             if name not in self.ranges:
                 host = name.startswith("host")
@@ -238,10 +244,10 @@ def make_room(cache, need: int, device: torch.device) -> None:
         state.capacity = context  # the schedule refuses (and clamps) past the context, as for max_cache_len
 
 
-def plan_first(cache, need: int, key_states: torch.Tensor) -> tuple[int, int] | None:
+def plan_first(cache, need: int, key_states: torch.Tensor) -> FirstPlan | None:
     """At layer 0's update of a forward that some layer serves for the first time (a new cache, or a layer made anew
     for another batch or dtype) when the context is known then (``model_config``, or learned at an earlier forward):
-    ``(context, need)``, after which each layer is laid out reserved at its own update, before it stores anything
+    a :class:`FirstPlan`, after which each layer is laid out reserved at its own update, before it stores anything
     (:meth:`~flexicache_hf.layer.face.FlexiCacheLayer.reserve`), so the prompt is written once into committed
     reserved storage; else None (:func:`make_room` and the growing path serve).  Refuses (HostMemoryError), before
     anything changes, when the layers' committed host bytes would pass ``host_memory_limit`` (a layer before its
@@ -259,10 +265,50 @@ def plan_first(cache, need: int, key_states: torch.Tensor) -> tuple[int, int] | 
                      cache.config.host_memory_limit)
     for state in cache.states.values():
         state.capacity = context  # as make_room: the schedule refuses (and clamps) past the context
-    return context, need
+    return FirstPlan(context, need, host_ahead(cache, context, need, key_states))
 
 
-def plan_forward(cache, end: int, key_states: torch.Tensor, plan_host) -> tuple[int, int] | None:
+@dataclass
+class FirstPlan:
+    """A first forward laid out reserved (:func:`plan_first`): the context, the pages to commit, and per layer the
+    host-tier ranges made at layer 0's update and committed in the background since (:func:`host_ahead`)."""
+
+    context: int
+    need: int
+    host: dict  # layer index -> {"host_k": HostRange, "host_v": HostRange}
+
+
+def host_ahead(cache, context: int, need: int, key_states: torch.Tensor) -> dict:
+    """At layer 0's update of a first forward: the host-tier ranges of every layer still to be laid out, made now and
+    committed (populated, and page-locked on CUDA) in the background in layer order while the layers before them
+    compute, as a sized cache's pinned blocks are (``block_keeper.BlockKeeper.prefetch``).  A layer's own commit then
+    finds its range committed (or waits on the range's lock for it); a background failure leaves the range as it was,
+    and that layer's own commit tries again and raises.  Sizes come from the layer's prediction of its slot heads."""
+    ps = cache.config.page_size
+    P = room_pages(context, ps)
+    target = target_pages(need, 0, P, ps)
+    out, jobs = {}, []
+    B, _, _, D = key_states.shape
+    for layer in cache.layers:
+        if layer.is_initialized and layer.storage.reserved is not None:
+            continue
+        heads = layer.predicted_slot_heads(key_states, cache.tp_size)
+        if not heads:
+            continue
+        total, run = tier_block(B, heads, ps, D, key_states.dtype, P)
+        commit = tier_block(B, heads, ps, D, key_states.dtype, target)[0]
+        ranges = {name: _range(total, key_states.device, True, run) for name in ("host_k", "host_v")}
+        out[layer.layer_idx] = ranges
+        jobs += [(rng, commit) for rng in ranges.values()]
+    if jobs:
+        pool = ThreadPoolExecutor(2, thread_name_prefix="flexicache-reserve")
+        for rng, commit in jobs:
+            pool.submit(rng.grow_to, commit)
+        pool.shutdown(wait=False)  # the jobs run on; each layer's commit meets its own
+    return out
+
+
+def plan_forward(cache, end: int, key_states: torch.Tensor, plan_host) -> FirstPlan | None:
     """At layer 0's update, before any layer grows or commits: a forward laid out reserved layer by layer
     (:func:`plan_first`'s plan, returned), else the growing layers' host check (``plan_host``) and room in reserved
     storage (:func:`make_room`) for ``end`` tokens."""
@@ -276,9 +322,11 @@ def plan_forward(cache, end: int, key_states: torch.Tensor, plan_host) -> tuple[
 
 def reserve_first(cache, layer) -> None:
     """At each layer's update of a forward :func:`plan_forward` planned reserved: lay the layer out for the context
-    (or commit its room) before it stores, so the prompt is written once into committed reserved storage."""
-    if cache.first_reserve is not None:
-        layer.reserve(*cache.first_reserve)
+    (or commit its room) before it stores, so the prompt is written once into committed reserved storage (its host
+    tier's ranges the ones :func:`host_ahead` made)."""
+    plan = cache.first_reserve
+    if plan is not None:
+        layer.reserve(plan.context, plan.need, plan.host.pop(layer.layer_idx, None))
 
 
 def before_step(cache, tokens: int, check_room) -> None:

@@ -70,6 +70,78 @@ def test_config_takes_exact_for_the_unstable_heads_only():
         FlexiCacheConfig(group_score="exact")
     with pytest.raises(ConfigError, match="does not apply"):
         FlexiCacheConfig(unstable_group_score="exact", unstable_bound_shrink=0.5)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ConfigError, match="exact_candidates"):
+            FlexiCacheConfig(unstable_group_score="exact", exact_candidates=bad)
+    with pytest.raises(ConfigError, match="applies to unstable_group_score='exact' only"):
+        FlexiCacheConfig(exact_candidates=2)
+
+
+class CandidateCheck(SelectionObserver):
+    """At every re-rank with ``exact_candidates``: each unstable head's scores are the exact mass over its
+    candidates alone (its ``C`` pages of the largest group-max bound, the newest page among them), renormalised
+    over them, -inf elsewhere; its top-K lies among them."""
+
+    def __init__(self, cache, profile):
+        self.cache, self.profile, self.checked = cache, profile, 0
+
+    def on_rerank(self, event):
+        layer = self.cache.layers[event.layer_idx]
+        C = layer.config.exact_candidates * layer.config.budget_pages
+        L, ps = layer.seq_len, layer.config.page_size
+        n = -(-L // ps)
+        resident = layer.storage.pool.read_full("k", 0, L)
+        keys = torch.zeros(resident.shape[0], layer.storage.num_kv_heads, L, resident.shape[-1])
+        keys[:, layer.storage.full_heads] = resident.float()
+        bound = reference.page_scores(event.query, layer.storage.kmin[:, :, :n].float(),
+                                      layer.storage.kmax[:, :, :n].float(), event.heads, n)
+        heads = event.heads.tolist()
+        for h in self.profile.unstable_heads(event.layer_idx):
+            row = heads.index(h)
+            cand = select(bound[:, row:row + 1], C)[:, 0]  # [B, C] ascending, -1 padded
+            scores = event.scores[:, row, :n]
+            G = event.query.shape[1] // layer.storage.num_kv_heads
+            for b in range(keys.shape[0]):
+                listed = cand[b][cand[b] >= 0]
+                assert int(n - 1) in listed.tolist()
+                assert torch.isinf(scores[b][~torch.isin(torch.arange(n), listed)]).all()
+                q = event.query[b, h * G:(h + 1) * G].float()  # [G, D]
+                logits = q @ keys[b, h].T * layer.storage.head_dim ** -0.5  # [G, L]
+                inside = torch.isin(torch.arange(L) // ps, listed)
+                probs = torch.softmax(logits.masked_fill(~inside, float("-inf")), -1).sum(0)  # over the candidates
+                want = torch.nn.functional.pad(probs, (0, n * ps - L)).view(n, ps).sum(-1)[listed]
+                torch.testing.assert_close(scores[b, listed], want, atol=1e-5, rtol=1e-5)
+                assert set(event.pages[b, row][event.pages[b, row] >= 0].tolist()) <= set(listed.tolist())
+            self.checked += 1
+
+
+@pytest.mark.parametrize("factor", [1, 2])
+def test_exact_candidates_score_only_the_pages_of_the_largest_bound(models, factor):
+    fc, _ = models
+    prompt = torch.randint(1, 96, (1, 152), generator=torch.Generator().manual_seed(3))
+    prof = HeadProfile.from_unstable(fc.config, [(0, 1), (1, 0)])
+    cfg = FlexiCacheConfig(page_size=8, token_budget=32, rerank_interval=4, group_score="mass", bound_shrink=0.5,
+                           unstable_group_score="exact", exact_candidates=factor)
+    check = CandidateCheck(None, prof)
+    cache = check.cache = FlexiCache(prof, cfg, model_config=fc.config, observer=check)
+    fc.generate(prompt, past_key_values=cache, max_new_tokens=10, min_new_tokens=10, do_sample=False,
+                pad_token_id=0, disable_compile=True)
+    assert check.checked == 2 * 9
+
+
+def test_exact_candidates_covering_every_page_rank_as_the_full_exact_mass(models):
+    """Candidates as many as the pages: the same tokens as the exact mass over every page (eager and on the
+    reference and CPU paths alike)."""
+    fc, _ = models
+    prompt = torch.randint(1, 96, (2, 100), generator=torch.Generator().manual_seed(5))
+    prof = HeadProfile.from_unstable(fc.config, [(0, 1), (1, 0)])
+    base = dict(page_size=8, token_budget=16, group_score="mass", bound_shrink=0.5, unstable_group_score="exact")
+    outs = []
+    for n in (0, 10):  # 10 x 2 pages >= the 14 pages of 100 + 12 tokens
+        cache = FlexiCache(prof, FlexiCacheConfig(**base, exact_candidates=n), model_config=fc.config)
+        outs.append(fc.generate(prompt, past_key_values=cache, max_new_tokens=12, min_new_tokens=12,
+                                do_sample=False, pad_token_id=0, disable_compile=True))
+    assert torch.equal(outs[0], outs[1])
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ SCHEMAS = {
     "page_scores": "(Tensor query, Tensor kmin, Tensor kmax, Tensor heads, Tensor num_pages, Tensor active, "
                    "str combine, float scale, float shrink) -> Tensor",
     "page_lse": "(Tensor query, Tensor k_pool, Tensor page_table, Tensor heads, Tensor num_pages, Tensor valid_lo, "
-                "Tensor seq_len, float scale) -> Tensor",
+                "Tensor seq_len, float scale, Tensor? candidates=None) -> Tensor",
     "group_mass": "(Tensor scores, float scale, Tensor? num_pages, Tensor? active) -> Tensor",
     "select_pages": "(Tensor scores, SymInt k, Tensor num_pages, Tensor active, Tensor(a4!) out) -> ()",
     "sparse_decode": "(Tensor query, Tensor k_pool, Tensor v_pool, Tensor page_table, Tensor pages, "

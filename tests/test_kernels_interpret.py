@@ -621,6 +621,40 @@ else:
                          torch.tensor([L]), scale)
         assert empty.shape == (0, 1, group, cap)
 
+    @pytest.mark.parametrize("group,D,ps,dtype", [(1, 8, 4, torch.float32), (3, 16, 8, torch.bfloat16),
+                                                  (7, 64, 8, torch.float32)])
+    def test_page_lse_of_candidate_pages_matches_reference(group, D, ps, dtype):
+        """Only listed pages scored (in any order, -1 padded, some past the page count): their log-sum-exps at
+        their own columns, -inf everywhere else; a page past the count or unlisted is never read."""
+        g = torch.Generator().manual_seed(group * 10 + D + ps)
+        B, H, L = 2, 3, 7 * ps + 1
+        n = -(-L // ps)
+        cap = n + 3
+        N = 1 + B * H * cap + 3
+        k_pool = torch.randn(N, ps, D, generator=g).to(dtype)
+        table = (1 + torch.randperm(N - 1, generator=g)[: B * H * cap]).view(B, H, cap).int()
+        table[:, :, n:] = N + 10**6  # past num_pages: would fault if read
+        q = torch.randn(B, H * group, D, generator=g).to(dtype)
+        valid_lo, scale = torch.tensor([0, ps + 3]), D ** -0.5
+        num_pages, seq_len = torch.tensor([n]), torch.tensor([L])
+        tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+        heads = torch.tensor([2, 0])
+        cand = torch.full((B, 2, 5), -1, dtype=torch.long)
+        cand[0, 0, :3] = torch.tensor([n - 1, 0, 4])
+        cand[0, 1, :5] = torch.tensor([1, 2, 3, n + 1, n - 1])  # one past the page count: -inf, not read
+        cand[1, 0, :2] = torch.tensor([0, 5])  # row 1's page 0: all padding
+        cand[1, 1, :4] = torch.tensor([6, 2, n - 1, 3])
+        ref = R.page_lse(q, k_pool, table, heads, num_pages, valid_lo, seq_len, scale, cand)
+        full = R.page_lse(q, k_pool, table, heads, num_pages, valid_lo, seq_len, scale)
+        for block_n in (None, 16):
+            ours = page_lse(q, k_pool, table, heads, num_pages, valid_lo, seq_len, scale, cand, block_n=block_n)
+            assert ours.shape == ref.shape == (B, 2, group, cap)
+            assert torch.equal(torch.isinf(ours), torch.isinf(ref))
+            fin = torch.isfinite(ref)
+            torch.testing.assert_close(ours[fin], ref[fin], **tol)
+            torch.testing.assert_close(ours[fin], full[fin], **tol)  # a listed page's value is its full one
+        assert int(torch.isfinite(ref[:, :, 0]).sum()) == (cand >= 0).logical_and(cand < n).sum() - 1  # (row 1's pad)
+
     # ---- group_mass ------------------------------------------------------------------------------------
     def mass_scores(B, h, G, P, seed):
         """Per-query-head scores with -inf holes, one row with nothing scorable, one query head with nothing

@@ -259,3 +259,47 @@ def test_copies_and_rows_of_a_reserved_cache(setup, how):
     a = fc(nxt, past_key_values=got, attention_mask=None).logits
     b = fc(nxt, past_key_values=exp, attention_mask=None).logits
     assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_a_first_forward_commits_the_host_tiers_ahead_in_the_background(setup, monkeypatch):
+    """At layer 0's update of a first forward every offloading layer's host ranges are made and committed on a
+    background thread, in layer order; each layer's reservation then takes its own (same objects), and the tokens
+    are DynamicCache's."""
+    import threading
+
+    from flexicache_hf.vmm import HostRange
+
+    cfg, fc, dense, ids, mask, profile = setup
+    made, threads = {}, []
+    ahead = reserve.host_ahead
+    grow = HostRange.grow_to
+
+    def spy_ahead(cache, context, need, key_states):
+        made.update(ahead(cache, context, need, key_states))
+        return dict(made)
+
+    def spy_grow(self, nbytes, limit=None):
+        threads.append(threading.current_thread().name)
+        return grow(self, nbytes, limit)
+
+    monkeypatch.setattr(reserve, "host_ahead", spy_ahead)
+    monkeypatch.setattr(HostRange, "grow_to", spy_grow)
+    cache = make(profile, model_config=cfg)
+    assert torch.equal(generate(fc, ids, mask, cache, 20), want(dense, ids, mask, 20))
+    offloading = [layer for layer in cache.layers if layer.storage.offloads]
+    assert offloading and sorted(made) == [layer.layer_idx for layer in offloading]
+    for layer in offloading:
+        assert all(layer.storage.reserved.ranges[n] is made[layer.layer_idx][n] for n in ("host_k", "host_v"))
+    assert any(name.startswith("flexicache-reserve") for name in threads)
+
+
+def test_host_ranges_made_ahead_for_another_layout_are_not_used(setup):
+    """A range made ahead that does not fit the layer's layout (here: too small) is dropped, not used."""
+    from flexicache_hf.pages import PoolLayout
+
+    cfg, fc, dense, ids, mask, profile = setup
+    small = reserve._range(4096, torch.device("cpu"), True, 256)
+    lay = PoolLayout(2, 1, 8, 1, 64)
+    res = reserve.Reservation(lay, 2, PS, 16, torch.float32, torch.device("cpu"), 256, {"host_k": small})
+    views = res.tensors(4)
+    assert res.ranges["host_k"] is not small and views["host_k"].shape == (64, 2, 1, PS, 16)

@@ -14,6 +14,8 @@
   by the exact attention mass), for long outputs and for retrieval.
 * ``stagger-16k``: Qwen 16k fidelity with each layer's re-ranks on its own steps (``stagger_reranks``) against the
   same settings unstaggered.
+* ``candidates-16k``: Qwen 16k fidelity with the unstable heads' exact mass over every page against over a few
+  times the budget of pages picked by the min/max bound (``exact_candidates``).
 
 **Archived grids**: every other grid answered one question along the way; what matters of it now is its results,
 so it is a JSON file beside them,
@@ -96,7 +98,7 @@ POLICY_FIELDS = ("fidelity_extra", "task_extra")
 
 
 # Policy fields added after grids were archived, with the value every archived grid ran (a Policy's default keeps it)
-LATER_POLICY_FIELDS = {"stagger_reranks": False}
+LATER_POLICY_FIELDS = {"stagger_reranks": False, "exact_candidates": 0}
 
 
 def _plain(value):
@@ -281,11 +283,12 @@ def qwen_32k() -> EvalConfig:
 
 
 def _exact_unstable(budget: int, fraction: float = 0.375, profile: str = "measured", interval: int = 16,
-                    stagger: bool = False) -> Policy:
+                    stagger: bool = False, candidates: int = 0) -> Policy:
     """The long-output setting (the stable heads by the mass of the half-shrunk box) with the least-stable
-    ``fraction`` of heads ranked by the exact attention mass (``unstable_group_score="exact"``)."""
+    ``fraction`` of heads ranked by the exact attention mass (``unstable_group_score="exact"``; over their
+    ``candidates`` x budget pages of the largest bound, 0: every page)."""
     return Policy("flexicache", budget, interval, fraction, profile, group_score="mass", bound_shrink=0.5,
-                  unstable_scoring=("exact", 1.0), stagger_reranks=stagger)
+                  unstable_scoring=("exact", 1.0), stagger_reranks=stagger, exact_candidates=candidates)
 
 
 @canonical
@@ -322,6 +325,17 @@ def stagger_16k() -> EvalConfig:
         for stagger in (False, True):
             rows += [Policy("flexicache", b, 16, 0.25, stagger_reranks=stagger), _exact_unstable(b, stagger=stagger)]
     return _qwen_16k_fidelity("stagger-16k", rows, page_size=8)
+
+
+@canonical
+def candidates_16k() -> EvalConfig:
+    """Qwen 16k fidelity, the unstable heads' exact mass over every page or over candidate pages.
+
+    Every page against their 1, 2 or 4 x budget pages of the largest min/max bound (``exact_candidates``), the
+    profile's settings otherwise (37.5 % unstable, staggered), at budgets 2048 and 1024, 8 documents (~5 min on an
+    H200)."""
+    rows = [_exact_unstable(b, stagger=True, candidates=c) for b in (2048, 1024) for c in (0, 1, 2, 4)]
+    return _qwen_16k_fidelity("candidates-16k", rows, page_size=8)
 
 
 def _retention_exact(base: EvalConfig) -> EvalConfig:

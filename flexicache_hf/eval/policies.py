@@ -54,6 +54,8 @@ class Policy:
     # FlexiCache only: FlexiCacheConfig.stagger_reranks, set here whatever that field's default (a grid's rows keep
     # meaning what they meant when it ran)
     stagger_reranks: bool = False
+    # FlexiCache only, with unstable_scoring ("exact", ...): FlexiCacheConfig.exact_candidates (0: every page)
+    exact_candidates: int = 0
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -75,6 +77,8 @@ class Policy:
                              f"not {self.family!r}")
         if self.stagger_reranks and self.family != "flexicache":
             raise ValueError(f"stagger_reranks applies to flexicache only, not {self.family!r}")
+        if self.exact_candidates and (self.family != "flexicache" or (self.unstable_scoring or ("",))[0] != "exact"):
+            raise ValueError("exact_candidates applies to flexicache with unstable_scoring ('exact', ...) only")
 
     @property
     def label(self) -> str:
@@ -88,6 +92,7 @@ class Policy:
         if self.unstable_scoring is not None:
             group, shrink = self.unstable_scoring
             forced += f"-unstable-{group}" + ("" if group == "exact" else f"-shrink{shrink:g}")
+            forced += f"-cand{self.exact_candidates}" if self.exact_candidates else ""
         forced += "-stagger" if self.stagger_reranks else ""
         tag = f"-u{round(100 * self.unstable_fraction)}" + ("-random" if self.profile == "random" else "")
         if self.family == "flexicache":
@@ -172,7 +177,8 @@ def make_cache(policy: Policy, model_config, context: int, profiles: ProfileSour
         cfg = FlexiCacheConfig(page_size=page_size, token_budget=budget, rerank_interval=policy.rerank_interval,
                                offload=not quest, sink_pages=policy.sink_pages, recent_pages=policy.recent_pages,
                                group_score=policy.group_score, bound_shrink=policy.bound_shrink,
-                               stagger_reranks=policy.stagger_reranks, **_unstable_fields(policy.unstable_scoring))
+                               stagger_reranks=policy.stagger_reranks, exact_candidates=policy.exact_candidates,
+                               **_unstable_fields(policy.unstable_scoring))
         return FlexiCache(prof, cfg, model_config=model_config, kernels=kernels)
     if policy.family in ("oracle", "quest-ref", "oracle-unstable"):
         cfg = FlexiCacheConfig(page_size=page_size, token_budget=budget, sink_pages=policy.sink_pages,

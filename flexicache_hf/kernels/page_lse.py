@@ -11,6 +11,10 @@
 * Pages ``>= num_pages`` (read on the device: graph replays see the current count) are never dereferenced,
   and tokens outside ``[valid_lo[b], seq_len)`` are masked, not loaded; their outputs are ``-inf``.  A block
   wholly past ``num_pages`` (a sized cache's spare capacity) stores ``-inf`` and computes nothing.
+* With ``candidates [B, h, C]`` (logical pages, -1 padded) the grid covers ``C`` instead of the row: program
+  ``(t, b*h + j)`` scores candidates ``[t * PAGES_PER_BLOCK, ...)`` of its row and head, gathered through the table
+  as the contiguous pages are, and stores each page's log-sum-exp at that page's column; every other column is
+  ``-inf`` (one fill first).  Only the candidates' keys are read: the cost follows ``C``, not the context.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import triton.language as tl
 from ._util import dot_upcast, pow2
 
 
-@triton.jit(do_not_specialize=["width", "n_sel"])
+@triton.jit(do_not_specialize=["width", "n_sel", "n_cand"])
 def _page_lse_kernel(
     q_ptr,  # [B, Hq, D]
     k_ptr,  # [N, page_size, D] key pool
@@ -38,6 +42,8 @@ def _page_lse_kernel(
     s_qb, s_qh, s_qd,
     s_kn, s_kt, s_kd,
     s_tb, s_th, s_tp,
+    cand_ptr,  # [B, h, n_cand] int64 candidate pages (-1: none), contiguous; unused unless CANDIDATES
+    n_cand,
     GROUP: tl.constexpr,
     G_PAD: tl.constexpr,
     D: tl.constexpr,
@@ -45,31 +51,43 @@ def _page_lse_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,  # tokens per program = PAGES_PER_BLOCK * PAGE_SIZE
     UPCAST: tl.constexpr,  # dot in fp32 with IEEE products (fp32 pools; bf16 under the interpreter)
+    CANDIDATES: tl.constexpr,  # score the listed pages only (the rest of the output was filled with -inf)
 ):
     PAGES_PER_BLOCK: tl.constexpr = BLOCK_N // PAGE_SIZE
     bj = tl.program_id(1).to(tl.int64)
     num_pages = tl.load(num_pages_ptr)
     g = tl.arange(0, G_PAD)
-    p = tl.program_id(0) * PAGES_PER_BLOCK + tl.arange(0, PAGES_PER_BLOCK)
-    out_mask = (g < GROUP)[:, None] & (p < width)[None, :]
-    out_off = (bj * GROUP + g)[:, None] * width + p[None, :]
-    if tl.program_id(0) * PAGES_PER_BLOCK >= num_pages:
-        # A block past the pages that exist (a sized cache's spare capacity): -inf, nothing read.
-        tl.store(out_ptr + out_off, tl.full([G_PAD, PAGES_PER_BLOCK], float("-inf"), tl.float32), mask=out_mask)
-    else:
+    slot = tl.program_id(0) * PAGES_PER_BLOCK + tl.arange(0, PAGES_PER_BLOCK)
+    if CANDIDATES:
+        p = tl.load(cand_ptr + bj * n_cand + slot, mask=slot < n_cand, other=-1)  # [PAGES_PER_BLOCK] logical
+        p = tl.where(p < num_pages, p, -1)
+        out_mask = (g < GROUP)[:, None] & (p >= 0)[None, :]
+        out_off = (bj * GROUP + g)[:, None] * width + tl.where(p >= 0, p, 0)[None, :]
         lse = _block_lse(q_ptr, k_ptr, table_ptr, heads_ptr, valid_lo_ptr, seq_len_ptr, scale, num_pages, bj,
-                         n_sel, s_qb, s_qh, s_qd, s_kn, s_kt, s_kd, s_tb, s_th, s_tp,
+                         n_sel, p, s_qb, s_qh, s_qd, s_kn, s_kt, s_kd, s_tb, s_th, s_tp,
                          GROUP, G_PAD, D, BLOCK_D, PAGE_SIZE, BLOCK_N, UPCAST)
         tl.store(out_ptr + out_off, lse, mask=out_mask)
+    else:
+        p = slot
+        out_mask = (g < GROUP)[:, None] & (p < width)[None, :]
+        out_off = (bj * GROUP + g)[:, None] * width + p[None, :]
+        if tl.program_id(0) * PAGES_PER_BLOCK >= num_pages:
+            # A block past the pages that exist (a sized cache's spare capacity): -inf, nothing read.
+            tl.store(out_ptr + out_off, tl.full([G_PAD, PAGES_PER_BLOCK], float("-inf"), tl.float32), mask=out_mask)
+        else:
+            lse = _block_lse(q_ptr, k_ptr, table_ptr, heads_ptr, valid_lo_ptr, seq_len_ptr, scale, num_pages, bj,
+                             n_sel, p, s_qb, s_qh, s_qd, s_kn, s_kt, s_kd, s_tb, s_th, s_tp,
+                             GROUP, G_PAD, D, BLOCK_D, PAGE_SIZE, BLOCK_N, UPCAST)
+            tl.store(out_ptr + out_off, lse, mask=out_mask)
 
 
 @triton.jit
-def _block_lse(q_ptr, k_ptr, table_ptr, heads_ptr, valid_lo_ptr, seq_len_ptr, scale, num_pages, bj, n_sel,
+def _block_lse(q_ptr, k_ptr, table_ptr, heads_ptr, valid_lo_ptr, seq_len_ptr, scale, num_pages, bj, n_sel, pages,
                s_qb, s_qh, s_qd, s_kn, s_kt, s_kd, s_tb, s_th, s_tp,
                GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
-    """``[G_PAD, PAGES_PER_BLOCK]`` log-sum-exp of this program's pages (row ``bj // n_sel``, scored head
-    ``bj % n_sel``)."""
+    """``[G_PAD, PAGES_PER_BLOCK]`` log-sum-exp of this program's logical ``pages`` ``[PAGES_PER_BLOCK]`` (-1 or
+    past ``num_pages``: none, ``-inf``) of row ``bj // n_sel``, scored head ``bj % n_sel``."""
     PAGES_PER_BLOCK: tl.constexpr = BLOCK_N // PAGE_SIZE
     b = bj // n_sel
     j = bj % n_sel
@@ -83,9 +101,10 @@ def _block_lse(q_ptr, k_ptr, table_ptr, heads_ptr, valid_lo_ptr, seq_len_ptr, sc
     q = tl.load(q_ptr + b * s_qb + (h * GROUP + g)[:, None] * s_qh + d[None, :] * s_qd,
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # [G_PAD, BLOCK_D]
     tok = tl.arange(0, BLOCK_N)
-    page = tl.program_id(0) * PAGES_PER_BLOCK + tok // PAGE_SIZE  # [BLOCK_N] logical page of each token row
+    # [BLOCK_N] logical page of each token row: token row r belongs to the program's (r // PAGE_SIZE)-th page
+    page = tl.reshape(tl.broadcast_to(pages[:, None], [PAGES_PER_BLOCK, PAGE_SIZE]), [BLOCK_N])
     off = tok % PAGE_SIZE
-    listed = page < num_pages
+    listed = (page >= 0) & (page < num_pages)
     phys = tl.load(table_ptr + b * s_tb + h * s_th + page * s_tp, mask=listed, other=0).to(tl.int64)
     pos = page * PAGE_SIZE + off
     ok = listed & (pos >= lo_valid) & (pos < seq_len)  # [BLOCK_N] tokens that exist and count
@@ -112,6 +131,7 @@ def page_lse(
     valid_lo: torch.Tensor,  # [B] int64 first non-padding position per row
     seq_len: torch.Tensor,  # [1] int64 tokens stored (device tensor, never read on the host)
     scale: float,  # the attention's softmax scale
+    candidates: torch.Tensor | None = None,  # [B, h, C] int64 logical pages to score (-1 padded); None: all
     *,
     block_n: int | None = None,  # tokens per program (a multiple of page_size); None: max(page_size, 64)
     num_warps: int = 4,
@@ -125,16 +145,25 @@ def page_lse(
     shape = (B, n_sel, group, width)
     if B == 0 or n_sel == 0 or width == 0:
         return torch.full(shape, float("-inf"), dtype=torch.float32, device=query.device)
-    out = torch.empty(shape, dtype=torch.float32, device=query.device)  # the kernel writes every entry
+    listed = candidates is not None
+    if listed:  # the kernel writes the candidates' columns only
+        out = torch.full(shape, float("-inf"), dtype=torch.float32, device=query.device)
+        cand = candidates.to(device=query.device, dtype=torch.long).contiguous()
+        n_cand = cand.shape[2]
+        if n_cand == 0:
+            return out
+    else:
+        out = torch.empty(shape, dtype=torch.float32, device=query.device)  # the kernel writes every entry
+        cand, n_cand = heads, 0  # (an unused pointer)
     upcast = dot_upcast(k_pool.dtype)
     q = query if upcast or query.dtype == k_pool.dtype else query.to(k_pool.dtype)  # tl.dot: one operand dtype
     heads = heads.to(device=query.device, dtype=torch.long)
     bn = block_n or max(ps, 64)  # >= 16 tokens: tl.dot's smallest N
-    grid = (triton.cdiv(width, bn // ps), B * n_sel)
+    grid = (triton.cdiv(n_cand if listed else width, bn // ps), B * n_sel)
     _page_lse_kernel[grid](
         q, k_pool, page_table, heads, num_pages, valid_lo, seq_len, out, scale, width, n_sel,
-        *q.stride(), *k_pool.stride(), *page_table.stride(),
+        *q.stride(), *k_pool.stride(), *page_table.stride(), cand, n_cand,
         GROUP=group, G_PAD=pow2(group, 16), D=D, BLOCK_D=pow2(D, 16), PAGE_SIZE=ps, BLOCK_N=bn,
-        UPCAST=upcast, num_warps=num_warps,
+        UPCAST=upcast, CANDIDATES=listed, num_warps=num_warps,
     )
     return out

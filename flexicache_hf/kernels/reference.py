@@ -200,9 +200,11 @@ def page_lse(
     valid_lo: torch.Tensor,  # [B] int64 first non-padding position per row
     seq_len: torch.Tensor,  # [1] int64 tokens stored
     scale: float,  # the attention's softmax scale
+    candidates: torch.Tensor | None = None,  # [B, h, C] int64 logical pages to score (-1 padded); None: every page
 ) -> torch.Tensor:  # [B, h, G, P_cap] float32
     """Each page's log-sum-exp of the exact attention logits ``scale * q . k`` over its valid tokens, per query
-    head of the given KV heads' groups; ``-inf`` for pages past ``num_pages`` or without a valid token.
+    head of the given KV heads' groups; ``-inf`` for pages past ``num_pages`` or without a valid token, and, given
+    ``candidates``, for every page not among its row's and head's candidates (their keys need not be read).
 
     ``group_mass(page_lse(...), 1.0)`` is each KV head's exact attention mass per page, summed over its group:
     the oracle's ranking, for heads whose keys all stay on the device (the unstable ones).
@@ -223,18 +225,25 @@ def page_lse(
     logits = torch.einsum("bhgd,bhptd->bhgpt", q, k) * scale
     logits = logits.masked_fill(~ok[:, None, None], NEG_INF)
     out[..., :n] = torch.logsumexp(logits, dim=-1)
+    if candidates is not None:
+        keep = torch.zeros((B, heads.numel(), P_cap + 1), dtype=torch.bool, device=query.device)
+        keep.scatter_(2, torch.where(candidates >= 0, candidates, P_cap).to(query.device), True)  # -1: a spare column
+        out = out.masked_fill(~keep[:, :, None, :P_cap], NEG_INF)
     return out
 
 
 def exact_page_mass(query, k_pool, page_table, heads, num_pages, valid_lo, seq_len, scale: float | None = None,
-                    active: torch.Tensor | None = None, lse=page_lse, mass=group_mass) -> torch.Tensor:
+                    active: torch.Tensor | None = None, lse=page_lse, mass=group_mass,
+                    candidates: torch.Tensor | None = None) -> torch.Tensor:
     """``[B, h, P_cap]``: the exact attention mass of each page summed over the KV head's group (a softmax per
     query head over every valid token of the head, the new one included), ``-inf`` where no token is valid and on
     inactive heads.  ``scale``: the attention's softmax scale (None: D ** -0.5, as :func:`page_scores`).
     ``lse`` / ``mass``: the :func:`page_lse` and :func:`group_mass` implementations (the reference's or a
-    backend's: ``KernelOps.page_lse`` / ``KernelOps.group_mass``)."""
+    backend's: ``KernelOps.page_lse`` / ``KernelOps.group_mass``).  ``candidates`` ``[B, h, C]``: only these pages
+    are scored (the softmax then runs over them; every other page ``-inf``)."""
     scale = query.shape[-1] ** -0.5 if scale is None else scale
-    return mass(lse(query, k_pool, page_table, heads, num_pages, valid_lo, seq_len, scale), 1.0, num_pages, active)
+    return mass(lse(query, k_pool, page_table, heads, num_pages, valid_lo, seq_len, scale, candidates), 1.0,
+                num_pages, active)
 
 
 def select_pages(

@@ -90,7 +90,7 @@ KERNELS = (
            "float scale, float shrink) -> Tensor", _scores_like, prepare=_default_scale),
     Kernel("page_lse", reference.page_lse, "page_lse",
            "(Tensor query, Tensor k_pool, Tensor page_table, Tensor heads, Tensor num_pages, Tensor valid_lo, "
-           "Tensor seq_len, float scale) -> Tensor", _lse_like),
+           "Tensor seq_len, float scale, Tensor? candidates=None) -> Tensor", _lse_like),
     # The "mass" combine of a group's per-query-head scores (page_scores' bounds, page_lse's exact log-sum-exps):
     # one launch where the reference is ~8 ops over [B, h, G, P], and nothing read on inactive rows.
     Kernel("group_mass", reference.group_mass, "mass",

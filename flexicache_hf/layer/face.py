@@ -70,7 +70,8 @@ class FlexiCacheLayer(CacheLayerMixin):
         self.storage = LayerStorage(key_states, unstable, cfg, ops_for(key_states.device, prefer=self.spec.kernels))
         self.reranker = Reranker(B, H, unstable, cfg.budget_pages, cfg.max_recent_pages, key_states.device,
                                  cfg.sink_pages, cfg.recent_pages, stable_scoring=cfg.stable_scoring,
-                                 unstable_scoring=cfg.unstable_scoring, pages=0)  # widened as the layer grows
+                                 unstable_scoring=cfg.unstable_scoring, pages=0,  # widened as the layer grows
+                                 exact_candidates=cfg.exact_candidates * cfg.budget_pages)
         self.state = state
         self.seq_len = 0
         self.is_initialized = True
@@ -102,11 +103,12 @@ class FlexiCacheLayer(CacheLayerMixin):
         if self.spec.max_tokens is not None and self.storage.page_capacity != before:
             self.mark_static()  # allocated once, at a fixed address: a captured decode step may use them
 
-    def reserve(self, context: int, need: int) -> None:
+    def reserve(self, context: int, need: int, host_ranges: dict | None = None) -> None:
         """Room for ``need`` pages in storage reserved for ``context`` tokens (:mod:`~flexicache_hf.reserve`): fixed
-        addresses from the first call, so a captured decode step may use the buffers."""
+        addresses from the first call, so a captured decode step may use the buffers (``host_ranges``: the host
+        tier's, made ahead)."""
         first = self.storage.reserved is None
-        self.storage.reserve(context, need, self.stored_end)
+        self.storage.reserve(context, need, self.stored_end, host_ranges)
         if first:
             self.reranker.fit(self.storage.page_capacity)
             self.mark_static()
@@ -301,15 +303,21 @@ class FlexiCacheLayer(CacheLayerMixin):
         if self.is_initialized and (self.seq_len or self.storage.fits(key_states)):
             plan = self.storage.reserve_plan(context, need, self.stored_end)
             return self.host_bytes() if plan is None else plan
+        ps = self.config.page_size
+        pages = target_pages(need, 0, room_pages(context, ps), ps)
+        return host_commit_bytes(B, self.predicted_slot_heads(key_states, tp_size), ps, D, key_states.dtype, pages)
+
+    def predicted_slot_heads(self, key_states: torch.Tensor, tp_size: int | None = None) -> int:
+        """The KV heads this layer will keep in a host tier when its first forward stores ``key_states`` (its stable
+        heads; 0 without offload, or for states the layer will refuse), from the profile (integers only)."""
         if not self.config.offload:
             return 0
+        H, D = key_states.shape[1], key_states.shape[3]
         try:
             shard = kv_head_shard(self.spec.model, self.layer_idx, H, D, TensorParallel.of_process(tp_size))
         except ValueError:  # ProfileError too: the layer refuses these states itself at its first forward
             return 0
-        ps = self.config.page_size
-        pages = target_pages(need, 0, room_pages(context, ps), ps)
-        return host_commit_bytes(B, H - len(shard.to_local(self.spec.unstable)), ps, D, key_states.dtype, pages)
+        return H - len(shard.to_local(self.spec.unstable))
 
     def dense_bytes(self) -> int:
         """Bytes ``DynamicCache`` would hold for the same tokens."""

@@ -139,7 +139,7 @@ class LayerStorage:
         target = target_pages(max(need, min(num_pages(stored, ps), P)), 0, P, ps)
         return host_commit_bytes(self.batch, self.slot_heads.numel(), ps, self.head_dim, self.dtype, target)
 
-    def reserve(self, context: int, need: int, stored: int) -> None:
+    def reserve(self, context: int, need: int, stored: int, host_ranges: dict | None = None) -> None:
         """Room for ``need`` pages in storage reserved for ``context`` tokens: a growing layer's buffers are moved
         into reserved ranges first (once; ``stored``: the storage position after the newest token), then the pages
         are committed (one chunk ahead, :func:`~flexicache_hf.reserve.target_pages`)."""
@@ -150,7 +150,7 @@ class LayerStorage:
             old = self.pool.layout
             slots = max(min(self.config.resident_slots, P) if self.offloads else 0, old.slots)
             res = Reservation(PoolLayout(self.batch, old.num_slot_heads, slots, old.num_full_heads, P),
-                              self.num_kv_heads, ps, self.head_dim, self.dtype, self.device, context)
+                              self.num_kv_heads, ps, self.head_dim, self.dtype, self.device, context, host_ranges)
             keep = min(num_pages(stored, ps), old.page_capacity, P)  # the pages held
             views = res.tensors(target_pages(max(need, keep), 0, P, ps))
             views["min"][:keep] = self.min_pages[:keep]

@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--bound-shrink", type=float, default=None, help="FlexiCacheConfig.bound_shrink")
     ap.add_argument("--unstable-group-score", choices=("max", "mass", "exact"), default=None,
                     help="FlexiCacheConfig.unstable_group_score (exact: the unstable heads by the exact mass)")
+    ap.add_argument("--exact-candidates", type=int, default=None,
+                    help="FlexiCacheConfig.exact_candidates (with exact: pages scored exactly, x budget; 0: all)")
     ap.add_argument("--unstable-fraction", type=float, default=None,
                     help="re-cut the model's shipped profile to its least-stable fraction of heads")
     ap.add_argument("--profile-steps", type=int, default=0,
