@@ -23,6 +23,7 @@ import gc
 import json
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -133,19 +134,21 @@ def soak(*, calls: int = 1000, model: str = "tiny", device: str = "cpu", dtype: 
 
     settings["transformers"] = transformers.__version__
     samples, lingering = [], 0
+    made = weakref.WeakSet()  # the soak's own caches (garbage the process held before the soak is not counted)
     t0 = time.perf_counter()
     for call in range(warmup + calls):
         ids = torch.randint(2, vocab - 1, (batch, lengths[call % 3]), generator=gen).to(dev)
         cache = FlexiCache(profile, FlexiCacheConfig(page_size=page_size, token_budget=budget,  # these knobs only,
                                                      rerank_interval=rerank_interval),  # not the profile's settings
                            model_config=net.config)
+        made.add(cache)
         with torch.no_grad():
             net.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                          min_new_tokens=new_tokens, do_sample=False, **{generate_cache_kwarg(): cache})
         del cache, ids
         done = call + 1 - warmup
         if done >= 0 and (done % every == 0 or done == calls):
-            lingering = sum(issubclass(type(o), FlexiCache) for o in gc.get_objects())  # alive before collecting
+            lingering = len(made)  # the soak's caches alive before collecting (only a reference cycle keeps them)
             gc.collect()
             row = {"calls": done, "seconds": round(time.perf_counter() - t0, 2),
                    "caches_alive_before_gc": lingering, **live_counts(), "rss": rss_bytes(),
