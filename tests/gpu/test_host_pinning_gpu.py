@@ -27,11 +27,21 @@ from conftest import tiny_config, twin_models  # noqa: E402
 from flexicache_hf import FlexiCache, HeadProfile, HostMemoryError, kept_storage_bytes, release_storage  # noqa: E402
 from flexicache_hf.block_keeper import BLOCKS, BlockKeeper  # noqa: E402
 from flexicache_hf.host_memory import PAGE, PinnedBlock, PinSettings  # noqa: E402
+from flexicache_hf.rerank import SelectionObserver  # noqa: E402
 from flexicache_hf.tiers import cuda_alias  # noqa: E402
 
 DEV = torch.device("cuda", torch.cuda.current_device())
 SMALL = dict(page_size=16, token_budget=64, rerank_interval=4)
-GROWING = {**SMALL, "kernels": "reference"}  # unsized and not compileable: pinned blocks, not a reserved range
+
+
+class Quiet(SelectionObserver):
+    def on_rerank(self, event):
+        pass
+
+
+# Unsized and not compileable (an observer): a growing host tier of pinned blocks, not a reserved range; the same
+# Triton kernels and UVA copies as any CUDA cache.
+GROWING = {**SMALL, "observer": Quiet()}
 
 
 @pytest.fixture(autouse=True)
