@@ -12,7 +12,7 @@ import torch
 from transformers import DynamicCache
 
 from conftest import compile_config, tiny_config, twin_models
-from flexicache_hf import FlexiCache, reserve
+from flexicache_hf import FlexiCache, release_storage, reserve
 from flexicache_hf.head_profile import HeadProfile
 from flexicache_hf.host_memory import HostMemoryError
 
@@ -303,3 +303,34 @@ def test_host_ranges_made_ahead_for_another_layout_are_not_used(setup):
     res = reserve.Reservation(lay, 2, PS, 16, torch.float32, torch.device("cpu"), 256, {"host_k": small})
     views = res.tensors(4)
     assert res.ranges["host_k"] is not small and views["host_k"].shape == (64, 2, 1, PS, 16)
+
+
+@pytest.mark.parametrize("fails", ["background", "everywhere"])
+def test_a_host_commit_that_fails_ahead_is_retried_by_its_layer_or_refused_cleanly(setup, monkeypatch, fails):
+    """A background commit that fails leaves its range as it was: the layer's own commit does it (the forward goes
+    on), or, failing too, raises HostMemoryError at that layer's update; the cache is then empty and serves again."""
+    import threading
+
+    from flexicache_hf.vmm import HostRange
+
+    cfg, fc, dense, ids, mask, profile = setup
+    grow = HostRange.grow_to
+    broken = {"on": True}
+
+    def flaky(self, nbytes, limit=None):
+        background = threading.current_thread().name.startswith("flexicache-reserve")
+        if broken["on"] and nbytes > self.committed_bytes and (background or fails == "everywhere"):
+            raise HostMemoryError("no page-locked memory left (test)")
+        return grow(self, nbytes, limit)
+
+    monkeypatch.setattr(HostRange, "grow_to", flaky)
+    release_storage()  # (no dropped cache's committed storage to take)
+    cache = make(profile, model_config=cfg)
+    if fails == "background":
+        assert torch.equal(generate(fc, ids, mask, cache, 8), want(dense, ids, mask, 8))
+        return
+    with pytest.raises(HostMemoryError, match="test"):
+        fc(ids, attention_mask=mask, past_key_values=cache)
+    assert cache.get_seq_length() == 0
+    broken["on"] = False
+    assert torch.equal(generate(fc, ids, mask, cache, 8), want(dense, ids, mask, 8))
