@@ -171,6 +171,20 @@ def test_page_lse_and_exact_mass_match_reference(group, D, dtype, L):
         want = R.exact_page_mass(q, k_pool, table, heads, n, valid_lo, length, D ** -0.5)
         assert torch.equal(torch.isneginf(mass), torch.isneginf(want))
         torch.testing.assert_close(mass[torch.isfinite(want)], want[torch.isfinite(want)], rtol=2e-2, atol=1e-5)
+        # exact_candidates: only listed pages (shuffled, -1 padded, one past the count), the rest -inf
+        g = torch.Generator(device=DEV).manual_seed(L)
+        C = min(P, 96)
+        cand = torch.stack([torch.randperm(P, device=DEV, generator=g)[:C] for _ in range(B * heads.numel())])
+        cand = cand.view(B, heads.numel(), C)
+        cand[:, :, -3:] = -1
+        cand[0, 0, -4] = P + 2
+        lse_c = TRITON_OPS.page_lse(q, k_pool, table, heads, n, valid_lo, length, D ** -0.5, cand)
+        ref_c = R.page_lse(q, k_pool, table, heads, n, valid_lo, length, D ** -0.5, cand)
+        assert torch.equal(torch.isneginf(lse_c), torch.isneginf(ref_c)) and not lse_c.isnan().any()
+        fin = torch.isfinite(ref_c)
+        torch.testing.assert_close(lse_c[fin], ref_c[fin], rtol=1e-4, atol=1e-3 if dtype == torch.float32 else 3e-2)
+
+
 @pytest.mark.parametrize("G", [1, 4, 7])
 def test_group_mass_matches_reference_at_llama_scale(G):
     """The "mass" combine at batch 16 x 6 heads x 2048 pages (16k tokens at 8-token pages; G = 4: Llama-8B's
