@@ -227,8 +227,7 @@ def page_lse(
     out[..., :n] = torch.logsumexp(logits, dim=-1)
     if candidates is not None:
         keep = torch.zeros((B, heads.numel(), P_cap + 1), dtype=torch.bool, device=query.device)
-        listed = (candidates >= 0) & (candidates < P_cap)
-        keep.scatter_(2, torch.where(listed, candidates, P_cap).to(query.device), True)  # none: a spare column
+        keep.scatter_(2, torch.where((candidates >= 0) & (candidates < P_cap), candidates, P_cap), True)  # spare column
         out = out.masked_fill(~keep[:, :, None, :P_cap], NEG_INF)
     return out
 
