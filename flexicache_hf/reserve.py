@@ -313,6 +313,7 @@ def plan_forward(cache, end: int, key_states: torch.Tensor, plan_host) -> FirstP
     (:func:`plan_first`'s plan, returned), else the growing layers' host check (``plan_host``) and room in reserved
     storage (:func:`make_room`) for ``end`` tokens."""
     need = room_pages(end, cache.config.page_size)
+    cache.first_reserve = None  # an earlier plan's unused ranges (a forward that stopped) go before new ones are made
     plan = plan_first(cache, need, key_states)
     if plan is None:
         plan_host(cache.layers, end, key_states, cache.tp_size, cache.config.host_memory_limit)

@@ -334,3 +334,57 @@ def test_a_host_commit_that_fails_ahead_is_retried_by_its_layer_or_refused_clean
     assert cache.get_seq_length() == 0
     broken["on"] = False
     assert torch.equal(generate(fc, ids, mask, cache, 8), want(dense, ids, mask, 8))
+
+
+def test_a_stopped_first_forward_lets_its_unused_host_ranges_go_before_the_next_one_plans(setup, monkeypatch):
+    """Host ranges made ahead for layers a refused forward never reached are not held into the next forward: they
+    are let go at its layer 0, before it makes its own (no double of the host tier)."""
+    import gc
+    import time
+    import weakref
+
+    cfg, fc, dense, ids, mask, profile = setup
+    release_storage()
+    cache = make(profile, model_config=cfg)
+    seen = []
+    ahead = reserve.host_ahead
+
+    def spy(*args):
+        out = ahead(*args)
+        seen.extend(weakref.ref(r) for ranges in out.values() for r in ranges.values())
+        return out
+
+    monkeypatch.setattr(reserve, "host_ahead", spy)
+    layer0 = cache.layers[0]
+    real = type(layer0).reserve
+
+    def refuse(self, *args):
+        if self is layer0:  # layer 1's ranges, made ahead, are never taken
+            raise HostMemoryError("refused at layer 0 (test)")
+        return real(self, *args)
+
+    monkeypatch.setattr(type(layer0), "reserve", refuse)
+    try:
+        fc(ids, attention_mask=mask, past_key_values=cache)
+        pytest.fail("not refused")
+    except HostMemoryError as e:
+        assert "test" in str(e)
+        del e  # (its traceback's frames hold the plan too)
+    monkeypatch.setattr(type(layer0), "reserve", real)
+    time.sleep(0.5)  # the background commits end (each holds its range while it runs)
+    gc.collect()
+    taken = {id(rng) for layer in cache.layers if layer.is_initialized and layer.storage.reserved is not None
+             for rng in layer.storage.reserved.ranges.values()}  # (none: layer 0 refused)
+    held = [r for r in seen if r() is not None and id(r()) not in taken]
+    assert held  # layer 1's ranges, still in the stopped forward's plan
+    at_planning = []
+
+    def check(*args):
+        gc.collect()
+        at_planning.append(sum(r() is not None for r in held))
+
+        return ahead(*args)
+
+    monkeypatch.setattr(reserve, "host_ahead", check)
+    fc(ids, attention_mask=mask, past_key_values=cache)
+    assert at_planning == [0]  # let go before the new plan made its own
