@@ -131,6 +131,14 @@ def _range(nbytes: int, device: torch.device, host: bool, align: int = 1):
     return HostRange(nbytes, device if device.type == "cuda" else None, chunk_bytes=0, align=align)
 
 
+def host_ranges(batch: int, heads: int, page_size: int, head_dim: int, dtype: torch.dtype, pages: int,
+                device: torch.device) -> dict:
+    """A host tier's ``host_k`` / ``host_v`` ranges for ``pages`` pages of ``heads`` heads (:func:`tier_block`'s bytes,
+    aligned to its run): made by :class:`Reservation`, or ahead of it by :func:`host_ahead`."""
+    total, run = tier_block(batch, heads, page_size, head_dim, dtype, pages)
+    return {name: _range(total, device, True, run) for name in ("host_k", "host_v")}
+
+
 class Reservation:
     """The ranges behind one layer's capacity-scaled buffers, laid out for ``layout.page_capacity`` pages, and the
     pages committed (integers; the storage holds the tensors, views over the ranges' starts)."""
@@ -141,7 +149,7 @@ class Reservation:
         self.layout, self.heads, self.page_size, self.head_dim = layout, heads, page_size, head_dim
         self.dtype, self.device = dtype, device
         self.committed = 0
-        # name -> range; made by tensors(), but for the host tier's when a first forward made them ahead (HostAhead)
+        # name -> range; made by tensors(), but for the host tier's when a first forward made them ahead (host_ahead)
         self.ranges = dict(ranges or {})
 
     @property
@@ -172,10 +180,13 @@ class Reservation:
         # (ranges made ahead serve only where they are what this layout needs: else they are dropped, and freed)
         self.ranges = {n: r for n, r in self.ranges.items() if n in shapes and r.reserved_bytes >= self._bytes(n, P)
                        and (not n.startswith("host") or r.align == run)}
+        missing = [n for n in ("host_k", "host_v") if n in shapes and n not in self.ranges]
+        if missing:
+            made = host_ranges(lay.batch, lay.num_slot_heads, ps, D, self.dtype, P, self.device)
+            self.ranges.update((n, made[n]) for n in missing)
         for name in shapes:
             if name not in self.ranges:
-                host = name.startswith("host")
-                self.ranges[name] = _range(self._bytes(name, P), self.device, host, run if host else 1)
+                self.ranges[name] = _range(self._bytes(name, P), self.device, False)
         self._grow(pages)
         out = {}
         for name, shape in shapes.items():
@@ -295,10 +306,8 @@ def host_ahead(cache, context: int, need: int, key_states: torch.Tensor) -> dict
         heads = layer.predicted_slot_heads(key_states, cache.tp_size)
         if not heads:
             continue
-        total, run = tier_block(B, heads, ps, D, key_states.dtype, P)
         commit = tier_block(B, heads, ps, D, key_states.dtype, target)[0]
-        ranges = {name: _range(total, key_states.device, True, run) for name in ("host_k", "host_v")}
-        out[layer.layer_idx] = ranges
+        ranges = out[layer.layer_idx] = host_ranges(B, heads, ps, D, key_states.dtype, P, key_states.device)
         jobs += [(rng, commit) for rng in ranges.values()]
     if jobs:
         pool = ThreadPoolExecutor(2, thread_name_prefix="flexicache-reserve")

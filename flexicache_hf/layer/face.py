@@ -280,13 +280,7 @@ class FlexiCacheLayer(CacheLayerMixin):
             s = self.storage  # an emptied layer of another batch or dtype is made anew at its update: predicted
             if self.seq_len or (s.batch, s.num_kv_heads, s.head_dim, s.dtype) == (B, H, D, key_states.dtype):
                 return s.host_blocks_for(end, self.spec.max_tokens)
-        if not self.config.offload:
-            return []
-        try:
-            shard = kv_head_shard(self.spec.model, self.layer_idx, H, D, TensorParallel.of_process(tp_size))
-        except ValueError:  # ProfileError too: the layer refuses these states itself at its first forward
-            return []
-        heads = H - len(shard.to_local(self.spec.unstable))
+        heads = self.predicted_slot_heads(key_states, tp_size)
         ps, sized = self.config.page_size, self.spec.max_tokens is not None
         pages = room_capacity(end, self.spec.max_tokens, ps, 0)
         if not heads or pages is None:
@@ -299,7 +293,7 @@ class FlexiCacheLayer(CacheLayerMixin):
         ``context`` tokens (integers only).  Before the layer's first forward (or for a kept layer of another batch or
         dtype, made anew at its update) they are predicted from ``key_states`` and the profile, as in
         :meth:`host_plan` (0 for states the layer will refuse)."""
-        B, H, _, D = key_states.shape
+        B, _, _, D = key_states.shape
         if self.is_initialized and (self.seq_len or self.storage.fits(key_states)):
             plan = self.storage.reserve_plan(context, need, self.stored_end)
             return self.host_bytes() if plan is None else plan
