@@ -77,22 +77,47 @@ def test_config_takes_exact_for_the_unstable_heads_only():
         FlexiCacheConfig(exact_candidates=2)
 
 
-class CandidateCheck(SelectionObserver):
-    """At every re-rank with ``exact_candidates``: each unstable head's scores are the exact mass over its
-    candidates alone (its ``C`` pages of the largest group-max bound, the newest page among them), renormalised
-    over them, -inf elsewhere; its top-K lies among them."""
+class UnstableCheck(SelectionObserver):
+    """An observer that checks the unstable heads' scores at every re-rank (``checked`` counts the heads checked)."""
 
     def __init__(self, cache, profile):
         self.cache, self.profile, self.checked = cache, profile, 0
+
+
+def resident_keys(layer) -> torch.Tensor:
+    """``[B, H, L, D]`` float32: the keys the layer holds on the device for its unstable heads (its resident pool, in
+    head order), zeros for the other heads."""
+    resident = layer.storage.pool.read_full("k", 0, layer.seq_len)  # [B, full_heads, L, D]
+    keys = torch.zeros(resident.shape[0], layer.storage.num_kv_heads, layer.seq_len, resident.shape[-1])
+    keys[:, layer.storage.full_heads] = resident.float()
+    return keys
+
+
+def generate_checked(fc, check_type, **fields):
+    """Ten greedy tokens after a 152-token prompt (ends on a page boundary), the unstable heads (0, 1) and (1, 0)
+    ranked exactly and checked by ``check_type`` at every re-rank; returns the check and the cache."""
+    prompt = torch.randint(1, 96, (1, 152), generator=torch.Generator().manual_seed(3))
+    prof = HeadProfile.from_unstable(fc.config, [(0, 1), (1, 0)])
+    cfg = FlexiCacheConfig(page_size=8, token_budget=32, rerank_interval=4, group_score="mass", bound_shrink=0.5,
+                           unstable_group_score="exact", **fields)
+    check = check_type(None, prof)
+    cache = check.cache = FlexiCache(prof, cfg, model_config=fc.config, observer=check)
+    fc.generate(prompt, past_key_values=cache, max_new_tokens=10, min_new_tokens=10, do_sample=False,
+                pad_token_id=0, disable_compile=True)
+    return check, cache
+
+
+class CandidateCheck(UnstableCheck):
+    """At every re-rank with ``exact_candidates``: each unstable head's scores are the exact mass over its
+    candidates alone (its ``C`` pages of the largest group-max bound, the newest page among them), renormalised
+    over them, -inf elsewhere; its top-K lies among them."""
 
     def on_rerank(self, event):
         layer = self.cache.layers[event.layer_idx]
         C = layer.config.exact_candidates * layer.config.budget_pages
         L, ps = layer.seq_len, layer.config.page_size
         n = -(-L // ps)
-        resident = layer.storage.pool.read_full("k", 0, L)
-        keys = torch.zeros(resident.shape[0], layer.storage.num_kv_heads, L, resident.shape[-1])
-        keys[:, layer.storage.full_heads] = resident.float()
+        keys = resident_keys(layer)
         bound = reference.page_scores(event.query, layer.storage.kmin[:, :, :n].float(),
                                       layer.storage.kmax[:, :, :n].float(), event.heads, n)
         heads = event.heads.tolist()
@@ -117,15 +142,7 @@ class CandidateCheck(SelectionObserver):
 
 @pytest.mark.parametrize("factor", [1, 2])
 def test_exact_candidates_score_only_the_pages_of_the_largest_bound(models, factor):
-    fc, _ = models
-    prompt = torch.randint(1, 96, (1, 152), generator=torch.Generator().manual_seed(3))
-    prof = HeadProfile.from_unstable(fc.config, [(0, 1), (1, 0)])
-    cfg = FlexiCacheConfig(page_size=8, token_budget=32, rerank_interval=4, group_score="mass", bound_shrink=0.5,
-                           unstable_group_score="exact", exact_candidates=factor)
-    check = CandidateCheck(None, prof)
-    cache = check.cache = FlexiCache(prof, cfg, model_config=fc.config, observer=check)
-    fc.generate(prompt, past_key_values=cache, max_new_tokens=10, min_new_tokens=10, do_sample=False,
-                pad_token_id=0, disable_compile=True)
+    check, _ = generate_checked(models[0], CandidateCheck, exact_candidates=factor)
     assert check.checked == 2 * 9
 
 
@@ -164,21 +181,14 @@ def test_flexicache_with_every_head_exact_is_the_oracle(models):
         torch.testing.assert_close(layer.reranker.selected, ref.last["pages"])
 
 
-class ExactCheck(SelectionObserver):
+class ExactCheck(UnstableCheck):
     """At every re-rank, the unstable heads' scores must be the exact mass of the step's query over the keys the
     cache holds for them (its resident pool), and their new top-K the oracle's selection of that mass."""
-
-    def __init__(self, cache, profile):
-        self.cache, self.profile, self.checked = cache, profile, 0
 
     def on_rerank(self, event):
         layer = self.cache.layers[event.layer_idx]
         unstable = self.profile.unstable_heads(event.layer_idx)
-        L, ps = layer.seq_len, layer.config.page_size
-        resident = layer.storage.pool.read_full("k", 0, L)  # [B, full_heads, L, D]: the unstable heads, in order
-        keys = torch.zeros(resident.shape[0], layer.storage.num_kv_heads, L, resident.shape[-1])
-        keys[:, layer.storage.full_heads] = resident.float()
-        mass = page_mass(event.query, keys, ps, layer.storage.head_dim ** -0.5)
+        mass = page_mass(event.query, resident_keys(layer), layer.config.page_size, layer.storage.head_dim ** -0.5)
         heads = event.heads.tolist()
         for h in unstable:
             row = heads.index(h)
@@ -189,15 +199,7 @@ class ExactCheck(SelectionObserver):
 
 @pytest.mark.parametrize("offload", [True, False])
 def test_unstable_heads_rank_by_the_exact_mass_beside_offloaded_stable_heads(models, offload):
-    fc, _ = models
-    prompt = torch.randint(1, 96, (1, 152), generator=torch.Generator().manual_seed(3))  # ends on a page boundary
-    prof = HeadProfile.from_unstable(fc.config, [(0, 1), (1, 0)])
-    cfg = FlexiCacheConfig(page_size=8, token_budget=32, rerank_interval=4, group_score="mass", bound_shrink=0.5,
-                           unstable_group_score="exact", offload=offload)
-    check = ExactCheck(None, prof)
-    cache = check.cache = FlexiCache(prof, cfg, model_config=fc.config, observer=check)
-    fc.generate(prompt, past_key_values=cache, max_new_tokens=10, min_new_tokens=10, do_sample=False,
-                pad_token_id=0, disable_compile=True)
+    check, cache = generate_checked(models[0], ExactCheck, offload=offload)
     assert check.checked == 2 * 9  # two unstable heads, every decode step (the first token comes from the prompt)
     assert cache.layers[0].reranker.split_scoring
 

@@ -582,6 +582,21 @@ else:
             assert rel_err(b, a) < 1e-4
 
     # ---- page_lse --------------------------------------------------------------------------------------
+    def lse_problem(group, D, ps, dtype, L, seed):
+        """Two rows, 3 KV heads of ``group`` query heads, ``L`` tokens of keys in a shuffled pool with 3 spare pages
+        of capacity per row and head, row 1 left-padded past its first page: ``(q, k_pool, table, valid_lo,
+        pages, pool size, tolerance)``."""
+        g = torch.Generator().manual_seed(seed)
+        B, H = 2, 3
+        n = -(-L // ps)
+        cap = n + 3
+        N = 1 + B * H * cap + 3
+        k_pool = torch.randn(N, ps, D, generator=g).to(dtype)
+        table = (1 + torch.randperm(N - 1, generator=g)[: B * H * cap]).view(B, H, cap).int()
+        q = torch.randn(B, H * group, D, generator=g).to(dtype)
+        tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+        return q, k_pool, table, torch.tensor([0, ps + 3]), n, N, tol
+
     @pytest.mark.parametrize("group,D,ps,dtype", [(1, 8, 4, torch.float32), (3, 16, 8, torch.bfloat16),
                                                   (7, 64, 8, torch.float32), (7, 16, 4, torch.bfloat16),
                                                   (3, 64, 4, torch.float32), (1, 64, 8, torch.bfloat16)])
@@ -589,17 +604,9 @@ else:
         """Every page's log-sum-exp per query head: a shuffled table with unused capacity (entries past the page
         count point outside the pool: never dereferenced), a row left-padded past its first page, a partly filled
         last page (and, at the shorter length, a last page with no token yet), heads a subset out of order."""
-        g = torch.Generator().manual_seed(group * 100 + D + ps)
-        B, H, L = 2, 3, 5 * ps + 3
-        n = -(-L // ps)
-        cap = n + 3
-        N = 1 + B * H * cap + 3
-        k_pool = torch.randn(N, ps, D, generator=g).to(dtype)
-        table = (1 + torch.randperm(N - 1, generator=g)[: B * H * cap]).view(B, H, cap).int()
-        q = torch.randn(B, H * group, D, generator=g).to(dtype)
-        valid_lo = torch.tensor([0, ps + 3])
-        scale = D ** -0.5
-        tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+        B, L = 2, 5 * ps + 3
+        q, k_pool, table, valid_lo, n, N, tol = lse_problem(group, D, ps, dtype, L, seed=group * 100 + D + ps)
+        cap, scale = table.shape[2], D ** -0.5
         # (pages, length): the decode step's; a last page with no token yet; a page count short of the length
         for count, length in ((n, L), (n, (n - 1) * ps), (n - 2, L)):
             tbl = table.clone()
@@ -626,18 +633,11 @@ else:
     def test_page_lse_of_candidate_pages_matches_reference(group, D, ps, dtype):
         """Only listed pages scored (in any order, -1 padded, some past the page count): their log-sum-exps at
         their own columns, -inf everywhere else; a page past the count or unlisted is never read."""
-        g = torch.Generator().manual_seed(group * 10 + D + ps)
-        B, H, L = 2, 3, 7 * ps + 1
-        n = -(-L // ps)
-        cap = n + 3
-        N = 1 + B * H * cap + 3
-        k_pool = torch.randn(N, ps, D, generator=g).to(dtype)
-        table = (1 + torch.randperm(N - 1, generator=g)[: B * H * cap]).view(B, H, cap).int()
+        B, L = 2, 7 * ps + 1
+        q, k_pool, table, valid_lo, n, N, tol = lse_problem(group, D, ps, dtype, L, seed=group * 10 + D + ps)
+        cap, scale = table.shape[2], D ** -0.5
         table[:, :, n:] = N + 10**6  # past num_pages: would fault if read
-        q = torch.randn(B, H * group, D, generator=g).to(dtype)
-        valid_lo, scale = torch.tensor([0, ps + 3]), D ** -0.5
         num_pages, seq_len = torch.tensor([n]), torch.tensor([L])
-        tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
         heads = torch.tensor([2, 0])
         cand = torch.full((B, 2, 5), -1, dtype=torch.long)
         cand[0, 0, :3] = torch.tensor([n - 1, 0, 4])
