@@ -101,6 +101,16 @@ def test_split_plan():
     assert plan_splits(3, 8, 132, 4) == (1, 4)
 
 
+def test_strided_grid_caps_programs_over_rows():
+    """A row of blocks gets all its programs while the launch stays under ROW_PROGRAMS, else as many as fit (never
+    fewer than one), and each program then strides over several blocks."""
+    from flexicache_hf.kernels._util import ROW_PROGRAMS, strided_grid
+
+    assert strided_grid(17, 128) == 17  # a sized cache's row: unchanged
+    assert strided_grid(2048, 32) == ROW_PROGRAMS // 32  # a row reserved for a whole context: capped
+    assert strided_grid(5, 10**6) == 1 and strided_grid(1, 0) == 1
+
+
 if not INTERPRETED:
 
     def test_triton_kernels_under_interpreter():
@@ -654,6 +664,36 @@ else:
             torch.testing.assert_close(ours[fin], ref[fin], **tol)
             torch.testing.assert_close(ours[fin], full[fin], **tol)  # a listed page's value is its full one
         assert int(torch.isfinite(ref[:, :, 0]).sum()) == (cand >= 0).logical_and(cand < n).sum() - 1  # (row 1's pad)
+
+    @pytest.mark.parametrize("programs", [1, 16])
+    def test_capped_grids_stride_over_their_blocks(monkeypatch, programs):
+        """With the grid capped below the blocks of a row (1, or 2-4 programs per row), each program strides over the
+        row's blocks: page scores (a group maximum and per-head bounds, inactive heads, blocks past the count) and
+        page log-sum-exps (every page, and candidates) equal the reference's, -inf past the count included."""
+        from flexicache_hf.kernels import _util
+
+        monkeypatch.setattr(_util, "ROW_PROGRAMS", programs)
+        q, kmin, kmax, n = decode_step_scores_inputs(6)
+        H = kmin.shape[1]
+        active = torch.tensor([False, True, True, True])
+        for combine in ("max", "mass"):
+            ref = R.page_scores(q, kmin, kmax, torch.arange(H), n, active, combine)
+            ours = page_scores(q, kmin, kmax, torch.arange(H), n, active, combine, block_p=4)
+            assert torch.equal(torch.isneginf(ours), torch.isneginf(ref))
+            fin = torch.isfinite(ref)
+            torch.testing.assert_close(ours[fin], ref[fin], rtol=1e-5, atol=1e-4)
+        ps, L = 4, 9 * 4 + 1
+        q, k_pool, table, valid_lo, n, N, tol = lse_problem(3, 16, ps, torch.float32, L, seed=11)
+        table[:, :, n:] = N + 10**6  # past num_pages: would fault if read
+        args = (q, k_pool, table, torch.tensor([2, 0]), torch.tensor([n]), valid_lo, torch.tensor([L]), 0.25)
+        cand = torch.tensor([[[n - 1, 0, 4, -1, 7, 2], [1, 2, 3, n + 1, 8, -1]],
+                             [[0, 5, 9, 6, 1, 3], [6, 2, n - 1, 3, -1, -1]]])
+        for c in (None, cand):
+            ref = R.page_lse(*args, c)
+            ours = page_lse(*args, c, block_n=8)
+            assert torch.equal(torch.isinf(ours), torch.isinf(ref))
+            fin = torch.isfinite(ref)
+            torch.testing.assert_close(ours[fin], ref[fin], **tol)
 
     # ---- group_mass ------------------------------------------------------------------------------------
     def mass_scores(B, h, G, P, seed):

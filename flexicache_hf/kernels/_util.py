@@ -36,6 +36,18 @@ def num_sms(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+# Programs a launch over rows reserved for a whole context starts per dimension-0 sweep, at most (summed over its rows):
+# enough to fill the GPU several times; each program strides over the row's blocks, so a block past the pages that
+# exist costs a loop turn of one program instead of a program of its own.
+ROW_PROGRAMS = 4096
+
+
+def strided_grid(blocks: int, rows: int) -> int:
+    """Programs along a row of ``blocks`` blocks when ``rows`` rows launch together: all of them, or as many as
+    :data:`ROW_PROGRAMS` allows over the rows (at least one); each program takes blocks ``pid, pid + n, ...``."""
+    return max(1, min(blocks, -(-ROW_PROGRAMS // max(rows, 1))))
+
+
 def dot_upcast(dtype: torch.dtype) -> bool:
     """Whether tl.dot operands go through fp32 (with IEEE products) instead of the storage dtype.
 

@@ -1,18 +1,18 @@
 """Triton twin of :func:`flexicache_hf.kernels.reference.page_lse`: each page's exact log-sum-exp of the logits.
 
-* grid ``(cdiv(P_cap, PAGES_PER_BLOCK), B * h)``: program ``(t, b*h + j)`` covers logical pages
-  ``[t * PAGES_PER_BLOCK, (t + 1) * PAGES_PER_BLOCK)`` of row ``b``, KV head ``heads[j]``.  It gathers their
-  keys through ``page_table`` into one ``[BLOCK_N, BLOCK_D]`` tile (token row -> (page slot, offset)) and
-  scores it against **all** query heads of the group at once: the group's queries are the M dimension of
-  ``tl.dot`` (padded to ``G_PAD >= 16``), as in :mod:`.sparse_decode`.
+* grid ``(n, B * h)``, ``n`` capped (``_util.strided_grid``): program ``(t, b*h + j)`` covers the blocks of logical
+  pages ``[u * PAGES_PER_BLOCK, (u + 1) * PAGES_PER_BLOCK)``, ``u = t, t + n, ...``, of row ``b``, KV head
+  ``heads[j]``.  It gathers their keys through ``page_table`` into one ``[BLOCK_N, BLOCK_D]`` tile (token row ->
+  (page slot, offset)) and scores it against **all** query heads of the group at once: the group's queries are the
+  M dimension of ``tl.dot`` (padded to ``G_PAD >= 16``), as in :mod:`.sparse_decode`.
 * The ``[G_PAD, BLOCK_N]`` logits (``-inf`` on invalid tokens) are viewed as ``[G_PAD, PAGES_PER_BLOCK,
   PAGE_SIZE]`` and reduced over the last axis (``max + log(sum(exp(x - max)))``); a page with no valid token
   gives ``-inf``, not NaN.  Every page is a whole tile row, so no cross-program combine is needed.
 * Pages ``>= num_pages`` (read on the device: graph replays see the current count) are never dereferenced,
   and tokens outside ``[valid_lo[b], seq_len)`` are masked, not loaded; their outputs are ``-inf``.  A block
   wholly past ``num_pages`` (a sized cache's spare capacity) stores ``-inf`` and computes nothing.
-* With ``candidates [B, h, C]`` (logical pages, -1 padded) the grid covers ``C`` instead of the row: program
-  ``(t, b*h + j)`` scores candidates ``[t * PAGES_PER_BLOCK, ...)`` of its row and head, gathered through the table
+* With ``candidates [B, h, C]`` (logical pages, -1 padded) the blocks cover ``C`` instead of the row: a block
+  ``u`` scores candidates ``[u * PAGES_PER_BLOCK, ...)`` of its row and head, gathered through the table
   as the contiguous pages are, and stores each page's log-sum-exp at that page's column; every other column is
   ``-inf`` (one fill first).  Only the candidates' keys are read: the cost follows ``C``, not the context.
 """
@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import dot_upcast, pow2
+from ._util import dot_upcast, pow2, strided_grid
 
 
 @triton.jit(do_not_specialize=["width", "n_sel", "n_cand"])
@@ -57,28 +57,32 @@ def _page_lse_kernel(
     bj = tl.program_id(1).to(tl.int64)
     num_pages = tl.load(num_pages_ptr)
     g = tl.arange(0, G_PAD)
-    slot = tl.program_id(0) * PAGES_PER_BLOCK + tl.arange(0, PAGES_PER_BLOCK)
-    if CANDIDATES:
-        p = tl.load(cand_ptr + bj * n_cand + slot, mask=slot < n_cand, other=-1)  # [PAGES_PER_BLOCK] logical
-        p = tl.where(p < num_pages, p, -1)
-        out_mask = (g < GROUP)[:, None] & (p >= 0)[None, :]
-        out_off = (bj * GROUP + g)[:, None] * width + tl.where(p >= 0, p, 0)[None, :]
-        lse = _block_lse(q_ptr, k_ptr, table_ptr, heads_ptr, valid_lo_ptr, seq_len_ptr, scale, num_pages, bj,
-                         n_sel, p, s_qb, s_qh, s_qd, s_kn, s_kt, s_kd, s_tb, s_th, s_tp,
-                         GROUP, G_PAD, D, BLOCK_D, PAGE_SIZE, BLOCK_N, UPCAST)
-        tl.store(out_ptr + out_off, lse, mask=out_mask)
-    else:
-        p = slot
-        out_mask = (g < GROUP)[:, None] & (p < width)[None, :]
-        out_off = (bj * GROUP + g)[:, None] * width + p[None, :]
-        if tl.program_id(0) * PAGES_PER_BLOCK >= num_pages:
-            # A block past the pages that exist (a sized cache's spare capacity): -inf, nothing read.
-            tl.store(out_ptr + out_off, tl.full([G_PAD, PAGES_PER_BLOCK], float("-inf"), tl.float32), mask=out_mask)
-        else:
+    # A capped grid: program t takes blocks t, t + n, ... of its list (the candidates) or row (every page).
+    n_blocks = tl.cdiv(n_cand if CANDIDATES else width, PAGES_PER_BLOCK)
+    for t in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
+        slot = t * PAGES_PER_BLOCK + tl.arange(0, PAGES_PER_BLOCK)
+        if CANDIDATES:
+            p = tl.load(cand_ptr + bj * n_cand + slot, mask=slot < n_cand, other=-1)  # [PAGES_PER_BLOCK] logical
+            p = tl.where(p < num_pages, p, -1)
+            out_mask = (g < GROUP)[:, None] & (p >= 0)[None, :]
+            out_off = (bj * GROUP + g)[:, None] * width + tl.where(p >= 0, p, 0)[None, :]
             lse = _block_lse(q_ptr, k_ptr, table_ptr, heads_ptr, valid_lo_ptr, seq_len_ptr, scale, num_pages, bj,
                              n_sel, p, s_qb, s_qh, s_qd, s_kn, s_kt, s_kd, s_tb, s_th, s_tp,
                              GROUP, G_PAD, D, BLOCK_D, PAGE_SIZE, BLOCK_N, UPCAST)
             tl.store(out_ptr + out_off, lse, mask=out_mask)
+        else:
+            p = slot
+            out_mask = (g < GROUP)[:, None] & (p < width)[None, :]
+            out_off = (bj * GROUP + g)[:, None] * width + p[None, :]
+            if t * PAGES_PER_BLOCK >= num_pages:
+                # A block past the pages that exist (spare or reserved capacity): -inf, nothing read.
+                tl.store(out_ptr + out_off, tl.full([G_PAD, PAGES_PER_BLOCK], float("-inf"), tl.float32),
+                         mask=out_mask)
+            else:
+                lse = _block_lse(q_ptr, k_ptr, table_ptr, heads_ptr, valid_lo_ptr, seq_len_ptr, scale, num_pages,
+                                 bj, n_sel, p, s_qb, s_qh, s_qd, s_kn, s_kt, s_kd, s_tb, s_th, s_tp,
+                                 GROUP, G_PAD, D, BLOCK_D, PAGE_SIZE, BLOCK_N, UPCAST)
+                tl.store(out_ptr + out_off, lse, mask=out_mask)
 
 
 @triton.jit
@@ -159,7 +163,7 @@ def page_lse(
     q = query if upcast or query.dtype == k_pool.dtype else query.to(k_pool.dtype)  # tl.dot: one operand dtype
     heads = heads.to(device=query.device, dtype=torch.long)
     bn = block_n or max(ps, 64)  # >= 16 tokens: tl.dot's smallest N
-    grid = (triton.cdiv(n_cand if listed else width, bn // ps), B * n_sel)
+    grid = (strided_grid(triton.cdiv(n_cand if listed else width, bn // ps), B * n_sel), B * n_sel)
     _page_lse_kernel[grid](
         q, k_pool, page_table, heads, num_pages, valid_lo, seq_len, out, scale, width, n_sel,
         *q.stride(), *k_pool.stride(), *page_table.stride(), cand, n_cand,

@@ -7,7 +7,8 @@ channel with no select.  One program loads a ``[BLOCK_P, D]`` tile of kmin and k
 query head of the KV head's group against it, keeping the maximum: the MinMax cache is read exactly once per
 scored head, which is the whole cost of this memory-bound step.  A program whose block of pages lies past
 ``num_pages`` (a device scalar: rows reserved for the whole context hold mostly such blocks) stores ``-inf`` and
-reads nothing.
+reads nothing; the grid is capped (``_util.strided_grid``) and each program strides over the row's blocks, so such
+blocks cost a loop turn, not a program each.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._util import pow2
+from ._util import pow2, strided_grid
 from .mass import group_mass
 
 
@@ -42,22 +43,24 @@ def _page_scores_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_P: tl.constexpr,
 ):
-    pid_p = tl.program_id(0)
     bj = tl.program_id(1).to(tl.int64)
     b = bj // n_sel
     j = bj % n_sel
-    p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)  # [BLOCK_P] logical pages
     active = tl.load(active_ptr + j).to(tl.int32)
-    if (active == 0) | (pid_p * BLOCK_P >= tl.load(num_pages_ptr)):
-        # A head not scored now (a stable head between its re-ranks, in a compiled step that launches every head),
-        # or a block past the pages that exist (rows reserved for the whole context): -inf and nothing else read,
-        # so such programs end after one store.  The per-query-head bounds ("mass") are left unwritten:
-        # group_mass reads nothing of an inactive row or past the page count.
-        if GROUP_MAX:
-            tl.store(out_ptr + bj * width + p, tl.full([BLOCK_P], float("-inf"), tl.float32), mask=p < width)
-    else:
-        _score_tile(q_ptr, kmin_ptr, kmax_ptr, heads_ptr, num_pages_ptr, out_ptr, p, b, j, bj, width, near, far,
-                    s_qb, s_qh, s_qd, s_mb, s_mh, s_mp, s_md, GROUP, GROUP_MAX, SHRUNK, D, BLOCK_D, BLOCK_P)
+    num_pages = tl.load(num_pages_ptr)
+    # A capped grid: program t takes blocks t, t + n, ... of the row (rows reserved for a whole context hold mostly
+    # blocks past num_pages, which cost a loop turn here instead of a program each).
+    for pid_p in range(tl.program_id(0), tl.cdiv(width, BLOCK_P), tl.num_programs(0)):
+        p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)  # [BLOCK_P] logical pages
+        if (active == 0) | (pid_p * BLOCK_P >= num_pages):
+            # A head not scored now (a stable head between its re-ranks, in a compiled step that launches every
+            # head), or a block past the pages that exist: -inf and nothing else read.  The per-query-head bounds
+            # ("mass") are left unwritten: group_mass reads nothing of an inactive row or past the page count.
+            if GROUP_MAX:
+                tl.store(out_ptr + bj * width + p, tl.full([BLOCK_P], float("-inf"), tl.float32), mask=p < width)
+        else:
+            _score_tile(q_ptr, kmin_ptr, kmax_ptr, heads_ptr, num_pages_ptr, out_ptr, p, b, j, bj, width, near, far,
+                        s_qb, s_qh, s_qd, s_mb, s_mh, s_mp, s_md, GROUP, GROUP_MAX, SHRUNK, D, BLOCK_D, BLOCK_P)
 
 
 @triton.jit
@@ -142,7 +145,7 @@ def page_scores(
     # 64 pages x D=128 per program: 2 x 32 KiB of fp16 MinMax per tile in registers (8 warps), enough
     # programs to fill the GPU from batch ~8 up (B * h * P / 64).
     block_p = block_p or (64 if D <= 128 else 32)
-    grid = (triton.cdiv(width, block_p), B * n_sel)
+    grid = (strided_grid(triton.cdiv(width, block_p), B * n_sel), B * n_sel)
     _page_scores_kernel[grid](
         query, kmin, kmax, heads, active, num_pages, out, width, n_sel, *reference.narrowing(shrink),
         *query.stride(), *kmin.stride(),

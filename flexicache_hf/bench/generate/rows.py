@@ -48,7 +48,7 @@ def is_user_call(row: str) -> bool:
 
 
 def is_profiled(row: str) -> bool:
-    return is_compiled(row)
+    return is_compiled(row) or is_user_call(row)
 
 
 def probe_key(row: str, compiled_probes: bool) -> str:
