@@ -34,7 +34,7 @@ from typing import Callable
 
 import torch
 
-from .cuda_context import make_current
+from .cuda_context import cuda_core, make_current
 
 PAGE = mmap.PAGESIZE
 MADV_POPULATE_WRITE = 23  # <linux/mman.h> (asm-generic), Linux 5.14+; not in Python's mmap module
@@ -164,7 +164,7 @@ def _driver(device: int):
     """cuda-python's driver module with ``device``'s primary context (torch's) current in this thread."""
     try:
         from cuda.bindings import driver
-        import cuda.core  # noqa: F401  (make_current's)
+        cuda_core()  # make_current's
     except ImportError as e:
         raise HostMemoryError(f"page-locking the host tier needs cuda-python (cuda.bindings, cuda.core): {e}") from e
     make_current(device)

@@ -275,3 +275,36 @@ def test_the_plan_predicts_every_layers_host_blocks(max_cache_len):
         layer.storage.host.k[0, 0, 0].nbytes if layer.storage.host.k is not None else 0 for layer in cache.layers]
     assert block_keeper.BLOCKS.stats()["pins"] == before  # off CUDA nothing is page-locked
     assert any(plans) and all(len(plan) in (0, 2) for plan in plans)  # K and V of each layer that offloads
+
+
+
+_IMPORT_RACE = """
+import threading, time
+from flexicache_hf.cuda_context import cuda_core
+errors = []
+def use(i):
+    time.sleep(0.002 * i)  # arrivals spread over the import (threads arriving together all wait on its lock)
+    try:
+        cuda_core().Device
+    except Exception as e:
+        errors.append(repr(e))
+threads = [threading.Thread(target=use, args=(i,)) for i in range(100)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print(len(errors), errors[:1])
+"""
+
+
+def test_threads_importing_cuda_core_at_once_all_get_it():
+    """cuda-core 1.2's ``__init__`` overwrites its own ``__spec__``, so a thread importing it while another is inside
+    that ``__init__`` got ``cannot import name 'Device'`` (the README call's background host commits met it on the
+    H200); through ``cuda_context.cuda_core`` every thread gets the whole module.  Fresh interpreters, 100 threads
+    arriving over 0.2 s: with a plain ``from cuda.core import Device`` about half of them failed in every run."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("cuda.core")
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", _IMPORT_RACE], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split()[0] == "0", out.stdout

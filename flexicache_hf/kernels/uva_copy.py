@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cuda_context import make_current
+from ..cuda_context import cuda_core, make_current
 from . import reference
 
 _SOURCE = r"""
@@ -108,10 +108,9 @@ def plan_launches(m: int, touches_host: bool, *, host_grid: int, device_grid: in
 
 def compile_copy_kernel(arch: str):
     """NVRTC-compile the copy kernel for ``arch`` (e.g. ``"sm_90"``) and return its ``cuda.core`` Kernel."""
-    from cuda.core import Program, ProgramOptions
-
-    opts = ProgramOptions(arch=arch, name="flexicache_uva_copy")
-    return Program(_SOURCE, code_type="c++", options=opts).compile("cubin").get_kernel(_KERNEL_NAME)
+    core = cuda_core()
+    opts = core.ProgramOptions(arch=arch, name="flexicache_uva_copy")
+    return core.Program(_SOURCE, code_type="c++", options=opts).compile("cubin").get_kernel(_KERNEL_NAME)
 
 
 class _TorchStream:
@@ -156,9 +155,7 @@ class PageCopier:
             kern = self._kernels.get(index)
             if kern is None and self.unavailable is None:
                 try:
-                    from cuda.core import Device
-
-                    dev = Device(index)
+                    dev = cuda_core().Device(index)
                     dev.set_current()
                     cc = dev.compute_capability
                     kern = compile_copy_kernel(f"sm_{cc.major}{cc.minor}")
@@ -173,8 +170,8 @@ class PageCopier:
         """The cuda.core Stream borrowing torch's stream ``handle`` (wrapped once, then reused)."""
         st = self._streams.get(handle)
         if st is None:
-            from cuda.core import Device, Stream
-
+            core = cuda_core()
+            Device, Stream = core.Device, core.Stream
             try:  # explicit conversion (passing protocol objects to launch is deprecated in cuda.core 1.2)
                 from_handle = getattr(Stream, "from_handle", None)
                 st = from_handle(handle) if from_handle else Device(index).create_stream(_TorchStream(handle))
@@ -198,7 +195,7 @@ class PageCopier:
         if not (dst.is_contiguous() and src.is_contiguous()):
             return None
         try:
-            from cuda import core  # noqa: F401
+            cuda_core()
         except ImportError as e:
             self.unavailable = f"cuda-python (cuda.core) not importable: {e}"
             return None
@@ -245,7 +242,8 @@ class PageCopier:
         vec = vector_width(page_bytes, dst.data_ptr(), src.data_ptr(), *pair)
         touches_host = dst.device.type == "cpu" or src.device.type == "cpu"
         import numpy as np
-        from cuda.core import LaunchConfig, launch
+        core = cuda_core()
+        LaunchConfig, launch = core.LaunchConfig, core.launch
 
         make_current(index)
         stream = self._stream(index, torch.cuda.current_stream(device).cuda_stream)
