@@ -81,6 +81,14 @@ class FlexiCacheConfig:
             the prompt's last query gives the stable heads their first top-K (it stands for step 0's re-rank), and
             after a follow-up prompt chunk step 0 re-ranks every head.
 
+        overlap_loads: ``True``: a stable head due to re-rank attends its previous selection (and the pages since)
+            at that step, then re-ranks with the step's query; its promoted pages load from the host tier on a load
+            stream while the later layers compute (joined at the end of the forward), and the new selection serves
+            the next R steps (one step later than the paper's order, whose loads wait before the attention).  A
+            stable head between re-ranks then attends up to ``rerank_interval // page_size + 1`` pages since its
+            selection (:attr:`max_recent_pages`).  The re-rank every head makes after a follow-up prompt chunk keeps
+            the paper's order.  ``False`` (the default, and the paper): re-rank, load, then attend.
+
     :meth:`paper` gives the paper's settings exactly.
     """
 
@@ -97,6 +105,7 @@ class FlexiCacheConfig:
     unstable_group_score: str | None = None
     unstable_bound_shrink: float | None = None
     exact_candidates: int = 0
+    overlap_loads: bool = False
 
     def __post_init__(self) -> None:
         ps = self.page_size
@@ -110,7 +119,7 @@ class FlexiCacheConfig:
         r = self.rerank_interval
         if not _is_int(r) or r < 1:
             raise ConfigError(f"rerank_interval must be a positive integer, got {r!r}")
-        for name in ("offload", "stagger_reranks"):
+        for name in ("offload", "stagger_reranks", "overlap_loads"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("sink_pages", "recent_pages"):
@@ -157,7 +166,7 @@ class FlexiCacheConfig:
         re-cuts to any fraction: ``profile.least_stable(0.25)``)."""
         paper = dict(page_size=16, rerank_interval=16, token_budget=2048, group_score="max", bound_shrink=1.0,
                      sink_pages=0, recent_pages=0, stagger_reranks=False, offload=True, unstable_group_score=None,
-                     unstable_bound_shrink=None)
+                     unstable_bound_shrink=None, overlap_loads=False)
         return cls(**{**paper, **overrides})
 
     @property
@@ -187,7 +196,11 @@ class FlexiCacheConfig:
     @property
     def max_recent_pages(self) -> int:
         """Pages a stable head can gain between two re-ranks (new pages are attended until re-ranked): a decode
-        step attends at most ``budget_pages + max_recent_pages`` pages of a stable head."""
+        step attends at most ``budget_pages + max_recent_pages`` pages of a stable head.  With ``overlap_loads`` a
+        re-ranking head attends its previous selection first, so the window after the prompt's seat (steps
+        ``0 .. R``, see :attr:`resident_slots`) is attended whole."""
+        if self.overlap_loads:
+            return self.rerank_interval // self.page_size + 1
         return -(-self.rerank_interval // self.page_size)
 
     @property

@@ -183,14 +183,19 @@ class Reranker:
         ones = torch.ones(bound.shape[1], dtype=torch.bool, device=bound.device) if active is None else active
         return ops.select_pages(bound, self.exact_candidates, num_pages=num_pages, active=ones, out=out)
 
-    def attend_list(self, newest: torch.Tensor, anchor: torch.Tensor, due: torch.Tensor) -> torch.Tensor:
+    def attend_list(self, newest: torch.Tensor, anchor: torch.Tensor, due: torch.Tensor,
+                    previous: torch.Tensor | None = None, late: torch.Tensor | None = None) -> torch.Tensor:
         """``[B, H, K + max_recent]`` logical pages each head attends to this step (-1 padded).
 
         Heads re-ranked this step attend their fresh top-K (which holds the newest page).  Stable heads
         between re-ranks attend their previous top-K plus the pages created after it (``anchor + 1 ..
         newest``; a decode interval adds at most ``max_recent`` of them, a prompt chunk restarts the schedule).
+        ``previous`` (the selection before this step's re-rank) with ``late``: stable heads that re-rank after
+        attending (``overlap_loads``) attend it, with the pages after ``anchor`` (then the one before this step).
         """
         sel = self.selected
+        if previous is not None:
+            sel = torch.where((self.is_stable[:, None] & late)[None], previous, sel)
         B, H, _ = sel.shape
         recent = anchor + self.recent_offsets  # [max_recent]
         ok = (recent <= newest)[None, :] & self.is_stable[:, None] & ~due  # [H, max_recent]

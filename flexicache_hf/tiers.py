@@ -23,6 +23,7 @@ import torch
 
 from .block_keeper import BLOCKS
 from .host_memory import HostMemoryError, format_bytes  # noqa: F401  (HostMemoryError: re-exported)
+from .load_stream import synchronize_load_streams
 from .kernels import KernelOps
 from .kernels.reference import set_table_entries
 from .pages import NULL_PAGE, PagePool, host_capacity, token_spans
@@ -109,9 +110,11 @@ class CopyStream:
                 t.record_stream(self.stream)
 
     def synchronize(self) -> None:
-        """Wait on the host for every copy issued so far (before the CPU itself touches the host tier)."""
+        """Wait on the host for every copy issued so far, page loads behind the compute included (before the CPU
+        itself touches the host tier, or its page-locked memory is let go)."""
         if self.cuda and torch.cuda.is_initialized():
             self.stream.synchronize()
+            synchronize_load_streams()
 
 
 class HostTier:
@@ -361,11 +364,17 @@ def copy_context(stream: CopyStream):
     return stream if stream.cuda and not torch.compiler.is_compiling() else contextlib.nullcontext()
 
 
-def load_promoted(ops: KernelOps, pool: PagePool, host: HostTier, pages: torch.Tensor, phys: torch.Tensor) -> None:
-    """Fill the slots ``phys`` with host pages ``pages`` (both ``[B, heads, K]``, -1 = none)."""
+def load_promoted(ops: KernelOps, pool: PagePool, host: HostTier, pages: torch.Tensor, phys: torch.Tensor,
+                  behind: torch.Tensor | None = None) -> None:
+    """Fill the slots ``phys`` with host pages ``pages`` (both ``[B, heads, K]``, -1 = none); ``behind`` (the
+    schedule's load token): on the device's load stream, behind the compute (``KernelOps.load_pages_behind``)."""
     src = host.page_index(pages).reshape(-1)
     dst = phys.reshape(-1)
-    ops.copy_kv_pages(pool.k, pool.v, dst, host.device_pages("k"), host.device_pages("v"), src)
+    args = (pool.k, pool.v, dst, host.device_pages("k"), host.device_pages("v"), src)
+    if behind is None:
+        ops.copy_kv_pages(*args)
+    else:
+        ops.load_pages_behind(*args, behind)
 
 
 def seat_from_chunk(pool: PagePool, pages: torch.Tensor, phys: torch.Tensor, keys: torch.Tensor,

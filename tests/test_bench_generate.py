@@ -83,6 +83,7 @@ def test_fit_prompt_and_kv_bytes():
 def test_flexicache_rows_take_the_profile_settings_and_the_flags_on_top():
     """Unset flags leave the profile's settings (the README call's), set ones override single fields;
     ``flexicache-paper`` is ``FlexiCacheConfig.paper()`` with the flags on top."""
+    import dataclasses
     from types import SimpleNamespace
 
     from transformers import LlamaConfig
@@ -106,6 +107,8 @@ def test_flexicache_rows_take_the_profile_settings_and_the_flags_on_top():
     paper = new_cache("flexicache-paper", model, "Llama-3.1-8B-Instruct", args, 1000)
     assert paper.config == FlexiCacheConfig.paper(token_budget=1024, page_size=16)
     assert paper.is_compileable
+    overlap = new_cache("flexicache-overlap", model, "Llama-3.1-8B-Instruct", args, 1000)
+    assert overlap.config == dataclasses.replace(graph.config, overlap_loads=True) and overlap.is_compileable
 
 
 def test_cli_flags_and_defaults():

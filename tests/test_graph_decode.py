@@ -67,6 +67,28 @@ def test_compiled_decode_equals_eager_in_one_graph(setup, offload):
     assert cache.get_seq_length() == 37 + 39 and cache.memory_report()["tokens"] == 76
 
 
+@pytest.mark.parametrize("stagger", [True, False])
+def test_compiled_decode_with_loads_behind_the_compute_equals_eager(setup, stagger):
+    """``overlap_loads``: the late re-rank (attend, then reseat and load behind the compute, joined at the last
+    layer) traced in one graph gives the eager run's tokens and counters, promotes pages, and selects differently
+    from the paper's order (the comparison is not vacuous)."""
+    cfg, fc, _, ids, mask = setup
+    prof = HeadProfile.from_unstable(cfg, [(0, 1)])
+    make = lambda overlap: FlexiCache(prof, page_size=4, token_budget=12, rerank_interval=5,  # noqa: E731
+                                      stagger_reranks=stagger, overlap_loads=overlap, max_cache_len=37 + 40)
+    eager_cache = make(True)
+    eager = run(fc, ids, mask, eager_cache, 40, compiled=False)
+    before = graphs()
+    cache = make(True)
+    assert torch.equal(run(fc, ids, mask, cache, 40, compiled=True), eager)
+    assert graphs() - before <= 1 and cache.stats == eager_cache.stats and cache.stats.promoted_pages > 0
+    paper_order = make(False)
+    run(fc, ids, mask, paper_order, 40, compiled=False)
+    sel = lambda c: torch.stack([layer.reranker.selected for layer in c.layers])  # noqa: E731
+    assert paper_order.stats.promoted_pages != eager_cache.stats.promoted_pages or \
+        not torch.equal(sel(paper_order), sel(eager_cache))
+
+
 def test_compiled_decode_with_group_mass_equals_eager(setup):
     """group_score="mass" (a softmax per query head, summed over the group) inside the compiled step: the same
     tokens as eagerly, and a selection of its own (not the group maximum's)."""
@@ -253,3 +275,33 @@ def test_compiled_decode_on_a_new_cache_takes_the_dropped_ones_buffers(setup):
     assert graphs() == before and [t.data_ptr() for t in again.layers[0].buffers()] == ptrs
     release_storage()
     assert torch.equal(got, run(fc, other, mask, make(), 24, compiled=False))
+
+
+def test_inductor_hands_the_loads_behind_the_pools_themselves(setup):
+    """``overlap_loads`` compiled by inductor (on the CPU): every ``load_pages_behind`` call writes a layer's pools
+    themselves, never a copy of them that a later kernel of the step copies back (on CUDA that copy-back would run
+    while the load stream still writes: the captured step then loses the loads; seen on the H200 before the op
+    stopped declaring the pools mutated), and the tokens are the eager run's."""
+    import re
+
+    from torch._inductor import config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+    from transformers import CompileConfig
+
+    cfg, fc, _, ids, mask = setup
+    prof = HeadProfile.from_unstable(cfg, [(0, 1)])
+    make = lambda: FlexiCache(prof, page_size=4, token_budget=12, rerank_interval=5, overlap_loads=True,  # noqa: E731
+                              max_cache_len=37 + 12)
+    eager = run(fc, ids, mask, make(), 12, compiled=False)
+    cc = CompileConfig(backend="inductor", fullgraph=True, mode=None)
+    cc._compile_all_devices = True
+    kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, attention_mask=mask, pad_token_id=0,
+              compile_config=cc)
+    torch._dynamo.reset()
+    with inductor_config.patch(force_disable_caches=True):
+        out, code = run_and_get_code(lambda: fc.generate(ids, past_key_values=make(), **kw))
+    torch._dynamo.reset()
+    calls = re.findall(r"load_pages_behind\.default\(([^,]+), ([^,]+),", "\n".join(code))
+    assert len(calls) == cfg.num_hidden_layers, calls
+    assert all(re.fullmatch(r"arg\d+_1", a) and re.fullmatch(r"arg\d+_1", b) for a, b in calls), calls
+    assert torch.equal(out, eager)

@@ -24,6 +24,9 @@ SCHEMAS = {
                      "Tensor valid_lo, Tensor seq_len, float scale) -> Tensor",
     "copy_kv_pages": "(Tensor(a0!) dst_k, Tensor(a1!) dst_v, Tensor dst_index, Tensor src_k, Tensor src_v, "
                      "Tensor src_index) -> ()",
+    "load_pages_behind": "(Tensor dst_k, Tensor dst_v, Tensor dst_index, Tensor src_k, Tensor src_v, "
+                         "Tensor src_index, Tensor(a6!) token) -> ()",
+    "join_loads": "(Tensor(a0!) token) -> ()",
     "reseat_slots": "(Tensor(a0!) slot_page, Tensor wanted, Tensor slot_phys, Tensor(a3!) table_buffer, "
                     "Tensor slot_heads, SymInt num_heads, SymInt null_page, Tensor? when) -> (Tensor, Tensor)",
     "place_page": "(Tensor(a0!) slot_page, Tensor slot_phys, Tensor(a2!) table_buffer, Tensor slot_heads, "
@@ -34,7 +37,8 @@ SCHEMAS = {
 def test_each_row_is_a_field_of_every_backend_and_its_op_keeps_its_schema():
     names = [k.name for k in KERNELS]
     assert names == ["minmax_update", "append_token", "page_scores", "page_lse", "group_mass", "select_pages",
-                     "sparse_decode", "copy_pages", "copy_kv_pages", "copy_rows", "reseat_slots", "place_page"]
+                     "sparse_decode", "copy_pages", "copy_kv_pages", "load_pages_behind", "join_loads", "copy_rows",
+                     "reseat_slots", "place_page"]
     assert [f.name for f in KernelOps.__dataclass_fields__.values()] == ["name", *names]
     assert set(OPS) == set(SCHEMAS)
     for name, schema in SCHEMAS.items():

@@ -134,6 +134,23 @@ else:
     from flexicache_hf.kernels.slots import place_page, reseat_slots
     from flexicache_hf.kernels.sparse_decode import sparse_decode
 
+    def dense_attention_reference(
+        query: torch.Tensor,  # [B, Hq, D]
+        keys: torch.Tensor,  # [B, H, L, D]
+        values: torch.Tensor,  # [B, H, L, D]
+        valid_lo: torch.Tensor,  # [B]
+        scale: float,
+    ) -> torch.Tensor:  # [B, Hq, D]
+        """Dense single-query attention over every valid token: what a budget covering all pages must equal."""
+        B, Hq, D = query.shape
+        H, L = keys.shape[1], keys.shape[2]
+        q = query.float().view(B, H, Hq // H, D)
+        logits = torch.einsum("bhgd,bhld->bhgl", q, keys.float()) * scale
+        pos = torch.arange(L, device=query.device)
+        logits = logits.masked_fill((pos[None, :] < valid_lo[:, None])[:, None, None], float("-inf"))
+        out = torch.einsum("bhgl,bhld->bhgd", torch.softmax(logits, -1), values.float())
+        return out.reshape(B, Hq, D).to(query.dtype)
+
     DTYPES = [torch.float32, torch.float16, torch.bfloat16]
     # ‖out - ref‖ / ‖ref‖ budgets: fp32 math vs fp32 reference; fp16/bf16 round P to the storage dtype
     # before P@V (as flash attention does) and round the output.
@@ -434,7 +451,7 @@ else:
         valid_lo = torch.tensor([3, 0])
         pages = torch.arange(P).expand(B, H, P).contiguous()
         scale = D ** -0.5
-        dense = R.dense_attention_reference(q, dense_of(kp, table, L, ps), dense_of(vp, table, L, ps), valid_lo, scale)
+        dense = dense_attention_reference(q, dense_of(kp, table, L, ps), dense_of(vp, table, L, ps), valid_lo, scale)
         for splits in (None, 1, 3):
             out = sparse_decode(q, kp, vp, table, pages, valid_lo, L, scale, num_splits=splits)
             assert rel_err(out, dense) < REL_TOL[dtype], splits

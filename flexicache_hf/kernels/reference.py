@@ -423,6 +423,17 @@ def copy_kv_pages(dst_k: torch.Tensor, dst_v: torch.Tensor, dst_index: torch.Ten
     copy_pages(dst_v, dst_index, src_v, src_index)
 
 
+def load_pages_behind(dst_k: torch.Tensor, dst_v: torch.Tensor, dst_index: torch.Tensor, src_k: torch.Tensor,
+                      src_v: torch.Tensor, src_index: torch.Tensor, token: torch.Tensor) -> None:
+    """:func:`copy_kv_pages` that may run behind the compute (on CUDA: on the device's load stream, which
+    :func:`join_loads` joins; ``token`` orders the two in a traced step).  Here: at once."""
+    copy_kv_pages(dst_k, dst_v, dst_index, src_k, src_v, src_index)
+
+
+def join_loads(token: torch.Tensor) -> None:
+    """The compute waits for every :func:`load_pages_behind` of ``token``'s device (here: none is pending)."""
+
+
 def copy_rows(
     dst: torch.Tensor,  # [B, H, P, n, D] (e.g. a span of the page-major host tier, pages.Span) or [B, H, T, D]
     src: torch.Tensor,  # the same shape (may live on another device)
@@ -431,20 +442,3 @@ def copy_rows(
     both sides; a ``[B, H, T, D]`` pair is one run per (row, head))."""
     dst.copy_(src)
 
-
-def dense_attention_reference(
-    query: torch.Tensor,  # [B, Hq, D]
-    keys: torch.Tensor,  # [B, H, L, D]
-    values: torch.Tensor,  # [B, H, L, D]
-    valid_lo: torch.Tensor,  # [B]
-    scale: float,
-) -> torch.Tensor:  # [B, Hq, D]
-    """Dense single-query attention over every valid token: what a budget covering all pages must equal."""
-    B, Hq, D = query.shape
-    H, L = keys.shape[1], keys.shape[2]
-    q = query.float().view(B, H, Hq // H, D)
-    logits = torch.einsum("bhgd,bhld->bhgl", q, keys.float()) * scale
-    pos = torch.arange(L, device=query.device)
-    logits = logits.masked_fill((pos[None, :] < valid_lo[:, None])[:, None, None], NEG_INF)
-    out = torch.einsum("bhgl,bhld->bhgd", torch.softmax(logits, -1), values.float())
-    return out.reshape(B, Hq, D).to(query.dtype)

@@ -109,6 +109,16 @@ KERNELS = (
     Kernel("copy_kv_pages", reference.copy_kv_pages, "uva_copy",  # both pools of a layer in one launch
            "(Tensor(a0!) dst_k, Tensor(a1!) dst_v, Tensor dst_index, Tensor src_k, Tensor src_v, "
            "Tensor src_index) -> ()"),
+    # The same copies behind the compute (FlexiCacheConfig.overlap_loads): on the device's load stream, joined at
+    # the end of the forward; ``token`` (the schedule's) orders the loads and their join in a traced step.  The pools
+    # it writes are not declared mutated: declared, a compiled step may hand the op a copy of a pool and copy it back
+    # right after the op returns, while the load stream still writes the copy (inductor's code did so).  Nothing
+    # later in the step reads the layer's pools (the next step reads them after the join), and the op follows the
+    # attention that read them through the reseat whose pages it takes.
+    Kernel("load_pages_behind", reference.load_pages_behind, "behind",
+           "(Tensor dst_k, Tensor dst_v, Tensor dst_index, Tensor src_k, Tensor src_v, Tensor src_index, "
+           "Tensor(a6!) token) -> ()"),
+    Kernel("join_loads", reference.join_loads, "behind", "(Tensor(a0!) token) -> ()"),
     Kernel("copy_rows", reference.copy_rows, "row_copy"),  # a prompt's offload: a few cuMemcpy2DAsync per span
     Kernel("reseat_slots", reference.reseat_slots, "slots",
            "(Tensor(a0!) slot_page, Tensor wanted, Tensor slot_phys, Tensor(a3!) table_buffer, Tensor slot_heads, "

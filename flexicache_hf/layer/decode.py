@@ -44,16 +44,24 @@ def attend_token(layer, q: torch.Tensor, scaling: float, plan: StepPlan) -> torc
 
     Unstable heads re-rank every step, stable heads when the schedule says so (their promoted pages then come
     from the host tier into the slots evicted pages free); every head attends its top-K (plus, for stable heads
-    between re-ranks, the pages created since their last re-rank).
+    between re-ranks, the pages created since their last one).  With ``overlap_loads`` a stable head's scheduled
+    re-rank is *late*: scored and selected with the others, it attends its previous selection at this step, and
+    its slots are reseated after the attention, the promoted pages loading behind the later layers' compute
+    (joined at the last layer).
     """
     s, st, rr = layer.storage, layer.state, layer.reranker
     due, stable_due = st.due_of(layer.layer_idx), plan.due(layer.layer_idx)
-    if rr.num_stable < s.num_kv_heads or plan.may(stable_due):  # some head is due
-        scores = rr.rerank(s.ops, q, s.kmin, s.kmax, st.num_pages, due, scaling,
+    late, stable_late = st.late_of(layer.layer_idx), plan.late(layer.layer_idx)
+    lagged = late is not None and rr.num_stable > 0 and plan.may(stable_late)  # a late re-rank may run now
+    previous = None
+    if rr.num_stable < s.num_kv_heads or plan.may(stable_due) or lagged:  # some head is due
+        previous = rr.selected.clone() if lagged else None
+        ranked = due if not lagged else due | late
+        scores = rr.rerank(s.ops, q, s.kmin, s.kmax, st.num_pages, ranked, scaling,
                            keys=(s.pool.k, s.pool.page_table, s.valid_lo, st.length))
         observer = layer.spec.observer if plan is not GRAPH_PLAN else None
         if observer is not None:
-            heads, n = rr.scored_heads(stable_due), plan.num_pages
+            heads, n = rr.scored_heads(bool(stable_due or (lagged and stable_late))), plan.num_pages
             observer.on_rerank(RerankEvent(layer.layer_idx, st.host_step - 1, heads, rr.selected[:, heads],
                                            scores[:, heads, :n], n, q))
     if s.offloads and plan.may(stable_due):
@@ -62,7 +70,16 @@ def attend_token(layer, q: torch.Tensor, scaling: float, plan: StepPlan) -> torc
             load_promoted(s.ops, s.pool, s.host, pages, phys)
         s.copies.hand_off()
         st.counters.add("promoted_pages", (pages >= 0).sum())
-    attend = rr.attend_list(st.page, st.anchor_of(layer.layer_idx), due)
+    anchor = st.since_of(layer.layer_idx) if lagged else st.anchor_of(layer.layer_idx)
+    attend = rr.attend_list(st.page, anchor, due, previous, late)
     if layer.spec.count_pages:
         st.counters.add("pages_attended", (attend >= 0).sum())
-    return s.ops.sparse_decode(q, s.pool.k, s.pool.v, s.pool.page_table, attend, s.valid_lo, st.length, scaling)
+    out = s.ops.sparse_decode(q, s.pool.k, s.pool.v, s.pool.page_table, attend, s.valid_lo, st.length, scaling)
+    if lagged and s.offloads:  # after the attention read the slots: reseat them, load behind the compute
+        pages, phys = s.slots.reseat(s.ops, rr.selected[:, s.slot_heads], None if stable_late else late)
+        s.copies.hand_off()  # eagerly: offloads queued on the layer's copy stream come before (host pages they write)
+        load_promoted(s.ops, s.pool, s.host, pages, phys, behind=st.load_token)
+        st.counters.add("promoted_pages", (pages >= 0).sum())
+    if late is not None and layer.layer_idx == layer.spec.model.num_layers - 1:
+        s.ops.join_loads(st.load_token)  # the forward's last layer: every load behind it is in place
+    return out

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..load_stream import join_load_stream
+
 
 @dataclass(frozen=True)
 class StepPlan:
@@ -39,15 +41,20 @@ class StepPlan:
 
     new_page: bool | None  # this step's token starts a page
     page_full: bool | None  # this step's token fills its page
-    stable_due: tuple[bool, ...] | None  # per layer: its stable heads re-rank at this step
+    stable_due: tuple[bool, ...] | None  # per layer: its stable heads re-rank at this step, before attending
     num_pages: int | None  # pages that exist once the token is appended
+    stable_late: tuple[bool, ...] | None = None  # per layer: ... after attending (overlap_loads; else None)
 
     def may(self, flag: bool | None) -> bool:
         return flag is None or flag
 
     def due(self, layer: int) -> bool | None:
-        """Whether ``layer``'s stable heads re-rank at this step (None: unknown)."""
+        """Whether ``layer``'s stable heads re-rank at this step before attending (None: unknown)."""
         return None if self.stable_due is None else self.stable_due[layer]
+
+    def late(self, layer: int) -> bool | None:
+        """Whether ``layer``'s stable heads re-rank at this step after attending (None: unknown)."""
+        return None if self.stable_late is None else self.stable_late[layer]
 
 
 GRAPH_PLAN = StepPlan(None, None, None, None)  # a captured step: nothing is known on the host
@@ -67,7 +74,10 @@ class DecodeState:
 
     Per layer, from :meth:`begin_layer` (each layer calls it as its step begins): ``due`` (its stable heads
     re-rank now, on the steps ``s > 0`` with ``s ≡ phase (mod R)``, and on step 0 after a follow-up chunk) and
-    ``anchor`` (the newest page when they last re-ranked).  After a first prompt chunk the prompt's last query
+    ``anchor`` (the newest page when they last re-ranked).  With ``overlap`` (``FlexiCacheConfig.overlap_loads``)
+    the steps ``s > 0`` on phase are ``late`` instead (the heads attend their previous selection, then re-rank:
+    :mod:`~flexicache_hf.layer.decode`), ``since`` keeps the anchor their attention extends from, and
+    ``load_token`` orders the step's page loads behind the compute and their join.  After a first prompt chunk the prompt's last query
     was their first re-rank (each layer seats its top-K and sets its anchor then), so step 0 re-ranks none of
     them.  Each layer's scalars, its phase included, are tensors of their own rather than elements of one
     ``[num_layers]`` tensor: a compiled step then reads them through pointers, so every layer's generated kernels
@@ -75,7 +85,7 @@ class DecodeState:
     """
 
     def __init__(self, device: torch.device, page_size: int, rerank_interval: int, capacity: int | None,
-                 phases: tuple[int, ...] = (0,), counts_steps: bool = True):
+                 phases: tuple[int, ...] = (0,), counts_steps: bool = True, overlap: bool = False):
         self.device, self.page_size, self.interval = torch.device(device), page_size, rerank_interval
         self.phases_host = tuple(phases)  # per layer: its stable re-rank step mod R (all 0: the paper's schedule)
         self.counts_steps = counts_steps  # of a cache's per-device schedules, one counts its decode steps
@@ -88,6 +98,10 @@ class DecodeState:
         self.phases = [torch.full((1,), ph, dtype=torch.long, device=self.device) for ph in self.phases_host]
         self.due = [flag() for _ in self.phases_host]
         self.anchor = [long() for _ in self.phases_host]
+        self.overlap = overlap
+        self.late = [flag() for _ in self.phases_host] if overlap else []
+        self.since = [long() for _ in self.phases_host] if overlap else []
+        self.load_token = long()
         self.host_length = 0  # the host's mirror of `length` and `step` (valid unless `stale`)
         self.host_origin = 0  # the host's mirror of `origin` (set by the first chunk, never by a step)
         self.host_step = 0
@@ -103,11 +117,11 @@ class DecodeState:
         """The state that changes (what reset() clears; the phases are configuration)."""
         return [self.length, self.step, self.current, self.origin, self.pos, self.page, self.offset, self.num_pages,
                 self.new_page, self.page_full, self.overflow, self.rerank_all, self.counters.values, *self.due,
-                *self.anchor]
+                *self.anchor, *self.late, *self.since]
 
     def buffers(self) -> list[torch.Tensor]:
         """Every device tensor a decode step reads (fixed addresses for graph capture)."""
-        return self.tensors() + self.phases
+        return self.tensors() + self.phases + [self.load_token]
 
     def due_of(self, layer: int) -> torch.Tensor:
         """``[1]`` bool: ``layer``'s stable heads re-rank at this step (valid after :meth:`begin_layer`)."""
@@ -116,6 +130,14 @@ class DecodeState:
     def anchor_of(self, layer: int) -> torch.Tensor:
         """``[1]``: the newest page when ``layer``'s stable heads last re-ranked (valid after :meth:`begin_layer`)."""
         return self.anchor[layer]
+
+    def late_of(self, layer: int) -> torch.Tensor | None:
+        """``[1]`` bool: ``layer``'s stable heads re-rank after attending at this step (``None`` without overlap)."""
+        return self.late[layer] if self.overlap else None
+
+    def since_of(self, layer: int) -> torch.Tensor:
+        """``[1]``: the anchor ``layer``'s stable heads attend from at this step (the one before a late re-rank)."""
+        return self.since[layer] if self.overlap else self.anchor[layer]
 
     # ---- the step ---------------------------------------------------------------------------------------
     def advance(self) -> None:
@@ -142,8 +164,15 @@ class DecodeState:
         anchor (tensor operations on that layer's own scalars; runs inside a captured graph)."""
         due, cur = self.due[layer], self.current
         on_phase = (torch.remainder(cur - self.phases[layer], self.interval) == 0) & (cur > 0)
-        due.copy_(on_phase | ((cur == 0) & self.rerank_all))
-        self.anchor[layer].copy_(torch.where(due, self.page, self.anchor[layer]))
+        if not self.overlap:
+            due.copy_(on_phase | ((cur == 0) & self.rerank_all))
+            self.anchor[layer].copy_(torch.where(due, self.page, self.anchor[layer]))
+            return
+        late = self.late[layer]
+        self.since[layer].copy_(self.anchor[layer])
+        due.copy_((cur == 0) & self.rerank_all)
+        late.copy_(on_phase)
+        self.anchor[layer].copy_(torch.where(due | late, self.page, self.anchor[layer]))
 
     def begin_eager_step(self) -> StepPlan:
         """:meth:`advance`, plus the host's exact plan of the same step."""
@@ -151,8 +180,12 @@ class DecodeState:
         pos, ps = self.host_length, self.page_size
         step, r = self.host_step, self.interval
         due = tuple(self.host_rerank_all if step == 0 else (step - ph) % r == 0 for ph in self.phases_host)
+        late = None
+        if self.overlap:  # step 0's re-rank (after a follow-up chunk) comes first; the others after attending
+            late = tuple(d and step > 0 for d in due)
+            due = tuple(d and step == 0 for d in due)
         self.plan = StepPlan(new_page=pos % ps == 0, page_full=pos % ps == ps - 1, stable_due=due,
-                             num_pages=pos // ps + 1)
+                             num_pages=pos // ps + 1, stable_late=late)
         self.advance()
         self.host_length, self.host_step = pos + 1, self.host_step + 1
         return self.plan
@@ -244,7 +277,9 @@ class DecodeState:
         return self.host_length + ahead + tokens <= self.host_origin + self.capacity
 
     def sync(self) -> None:
-        """Bring the host mirror up to date after graph replays (one device synchronisation)."""
+        """Bring the host mirror up to date after graph replays (one device synchronisation); the compute stream
+        waits for any page load still behind it (a forward that stopped before its last layer's join)."""
+        self.join_loads()
         if self.stale:  # (eager steps never pass the capacity: the host refuses them first)
             self.host_length, self.host_step = int(self.length), int(self.step)
             self.stale = False
@@ -261,7 +296,13 @@ class DecodeState:
                 "the prompt length + max_new_tokens, then reset() it or use a new one"
             )
 
+    def join_loads(self) -> None:
+        """Eagerly: the compute stream waits for every page load behind it on this device (``overlap``)."""
+        if self.overlap:
+            join_load_stream(self.device)
+
     def reset(self) -> None:
+        self.join_loads()
         for t in self.tensors():
             t.zero_()
         self.host_length = self.host_step = self.host_origin = 0
@@ -295,7 +336,8 @@ def state_for_device(states: dict[str, DecodeState], device: torch.device, confi
     if key not in states:
         first = not states
         phases = tuple(config.rerank_phase(i) for i in range(num_layers))
-        state = DecodeState(device, config.page_size, config.rerank_interval, capacity, phases, counts_steps=first)
+        state = DecodeState(device, config.page_size, config.rerank_interval, capacity, phases, counts_steps=first,
+                            overlap=config.overlap_loads and config.offload)
         if not first:
             state.follow(next(iter(states.values())))
         states[key] = state

@@ -82,8 +82,12 @@ SPLIT = dict(group_score="mass", bound_shrink=0.5, unstable_group_score="max", u
 EXACT = dict(group_score="mass", bound_shrink=0.5, unstable_group_score="exact")
 
 
+OVERLAP = dict(overlap_loads=True)  # loads behind the compute: a load stream forked and joined inside the graph
+
+
 @pytest.mark.parametrize("offload,stagger,scoring", [(True, False, {}), (False, False, {}), (True, True, {}),
-                                                     (True, False, SPLIT), (True, False, EXACT)])
+                                                     (True, False, SPLIT), (True, False, EXACT),
+                                                     (True, True, OVERLAP), (True, False, {**EXACT, **OVERLAP})])
 def test_tiny_llama_graph_equals_eager(offload, stagger, scoring):
     cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,

@@ -12,7 +12,7 @@ import torch
 
 from .device import default_host_limit_gb, empty_host_cache
 from .report import add_ratios, figure, format_table
-from .rows import ROWS, check_rows, expand_rows
+from .rows import DEFAULT_ROWS, ROWS, check_rows, expand_rows
 from .run import run_followup, run_row
 from .search import run_largest
 
@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "decoding helps) (default: text)")
     ap.add_argument("--cases", default="1x16384,16x16384,16x30720",
                     help="BATCHxPROMPT, comma separated (a prompt too long for the model's context is shortened)")
-    ap.add_argument("--rows", default=",".join(ROWS), help=f"comma separated, of {ROWS} (or static-<impl>)")
+    ap.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"comma separated, of {ROWS} (or static-<impl>)")
     ap.add_argument("--static-variants", default="sdpa",
                     help="attention implementations of the static row, comma separated (sdpa,eager,flex_attention)")
     ap.add_argument("--static-prefill-chunk", type=int, default=0, metavar="TOKENS",

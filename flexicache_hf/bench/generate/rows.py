@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-ROWS = ("dynamic", "static", "offloaded", "flexicache", "flexicache-graph", "flexicache-unsized", "flexicache-paper")
+DEFAULT_ROWS = ("dynamic", "static", "offloaded", "flexicache", "flexicache-graph", "flexicache-unsized",
+                "flexicache-paper")
+ROWS = DEFAULT_ROWS + ("flexicache-overlap",)
 # ``flexicache-unsized``: the README's first example exactly, ``generate(..., past_key_values=FlexiCache(profile))``:
 # the config's defaults (no budget or other flag of the run), no max_cache_len, and generate left to decide whether
 # to compile (it compiles the decode step of a cache that says it is compileable).  ``flexicache`` (eager) and
 # ``flexicache-graph`` (compiled): sized, the profile's settings with the run's flags on top;
-# ``flexicache-paper``: sized and compiled, ``FlexiCacheConfig.paper()`` with the flags on top.
+# ``flexicache-paper``: sized and compiled, ``FlexiCacheConfig.paper()`` with the flags on top;
+# ``flexicache-overlap``: ``flexicache-graph`` with ``overlap_loads=True``.
 
 
 def expand_rows(rows: list[str], static_variants: list[str]) -> list[str]:
@@ -38,7 +41,7 @@ def attn_impl(row: str) -> str:
 
 def is_compiled(row: str) -> bool:
     """Rows whose decode step ``generate`` compiles."""
-    return row in ("flexicache-graph", "flexicache-paper") or row == "static" or row.startswith("static-")
+    return row in ("flexicache-graph", "flexicache-paper", "flexicache-overlap") or row == "static" or row.startswith("static-")
 
 
 def is_user_call(row: str) -> bool:

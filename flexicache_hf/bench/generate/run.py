@@ -34,7 +34,8 @@ def new_cache(row: str, model, profile, args, max_cache_len: int):
         if row == "flexicache-paper":  # FlexiCacheConfig.paper(): the paper's settings, the flags on top
             return FlexiCache(profile, config=FlexiCacheConfig.paper(**config_flags(args), host_memory_limit=limit),
                               **sized)
-        return FlexiCache(profile, **config_flags(args), host_memory_limit=limit, **sized)
+        overlap = dict(overlap_loads=True) if row == "flexicache-overlap" else {}
+        return FlexiCache(profile, **config_flags(args), **overlap, host_memory_limit=limit, **sized)
     if is_compiled(row):  # static*
         try:
             return StaticCache(config=model.config, max_cache_len=max_cache_len)
