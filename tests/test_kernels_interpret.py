@@ -32,6 +32,18 @@ def test_copy_plan_caps_grid_and_chunks():
     assert plan_launches(5, False, host_grid=32, device_grid=1024, chunk_pages=4096) == [Launch(0, 5, 5)]
     assert plan_launches(3000, False, host_grid=32, device_grid=1024, chunk_pages=4096) == [Launch(0, 3000, 1024)]
     assert plan_launches(0, True, host_grid=32, device_grid=1024, chunk_pages=4096) == []
+    assert plan_launches(10_000, True, host_grid=32, device_grid=1024, chunk_pages=None) == [Launch(0, 10_000, 32)]
+    assert plan_launches(0, True, host_grid=32, device_grid=1024, chunk_pages=None) == []
+
+
+def test_a_captured_copy_is_one_launch():
+    """Eager copies are cut into launches of ``chunk_pages``; inside a captured graph (replayed every step, the index
+    lists as long as the most pages a step may copy) one launch does the same work."""
+    from flexicache_hf.kernels.uva_copy import PageCopier
+
+    copier = PageCopier(chunk_pages=4096)
+    assert copier.launch_chunk(capturing=False) == 4096
+    assert copier.launch_chunk(capturing=True) is None
 
 
 def test_copy_vector_width():

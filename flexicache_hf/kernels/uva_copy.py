@@ -92,13 +92,15 @@ def vector_width(page_bytes: int, *addresses: int) -> int:
     return 1
 
 
-def plan_launches(m: int, touches_host: bool, *, host_grid: int, device_grid: int, chunk_pages: int) -> list[Launch]:
-    """Cut a copy of ``m`` index entries into launches of at most ``chunk_pages`` entries.
+def plan_launches(m: int, touches_host: bool, *, host_grid: int, device_grid: int,
+                  chunk_pages: int | None) -> list[Launch]:
+    """Cut a copy of ``m`` index entries into launches of at most ``chunk_pages`` entries (``None``: one launch).
 
     Host copies get a capped grid of ``host_grid`` blocks (PCIe saturates at ~32, more would only hold SMs);
     device copies get up to ``device_grid`` blocks.  A launch never has more blocks than pages.
     """
     cap = host_grid if touches_host else device_grid
+    chunk_pages = chunk_pages or max(m, 1)
     out = []
     for off in range(0, m, chunk_pages):
         n = min(chunk_pages, m - off)
@@ -180,6 +182,15 @@ class PageCopier:
             self._streams[handle] = st
         return st
 
+    def launch_chunk(self, capturing: bool) -> int | None:
+        """Pages per launch: ``chunk_pages`` eagerly (short launches let the compute queued on other streams
+        interleave), one launch inside a captured graph.  A captured step's index lists are as long as the most
+        pages it may copy (every stable head's top-K, ~24k entries a layer at 16 rows), mostly "no page" on a step
+        the layer does not re-rank, and every launch of it is replayed every step: at 4,096 pages a launch a
+        promotion was six launches a layer at 16 x 16k (with the offload's one: the 224 launches a step of run 20c's
+        profile), where one does the same work."""
+        return None if capturing else self.chunk_pages
+
     def usable(self, dst: torch.Tensor, src: torch.Tensor) -> torch.device | None:
         """The CUDA device that runs the copy, or ``None`` when only the torch fallback can do it."""
         if self.unavailable is not None:
@@ -248,7 +259,7 @@ class PageCopier:
         make_current(index)
         stream = self._stream(index, torch.cuda.current_stream(device).cuda_stream)
         plan = plan_launches(m, touches_host, host_grid=self.host_grid, device_grid=self.device_grid,
-                             chunk_pages=self.chunk_pages)
+                             chunk_pages=self.launch_chunk(torch.cuda.is_current_stream_capturing()))
         for part in plan:
             cfg = LaunchConfig(grid=part.grid, block=self.threads)
             launch(stream, cfg, kern,
