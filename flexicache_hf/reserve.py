@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -151,6 +152,9 @@ class Reservation:
         self.committed = 0
         # name -> range; made by tensors(), but for the host tier's when a first forward made them ahead (host_ahead)
         self.ranges = dict(ranges or {})
+        # seconds this layer's own commits (its forwards' thread) spent on the host tier's ranges: committing, or
+        # waiting for a commit running in the background (host_ahead) to finish
+        self.host_wait_s = 0.0
 
     @property
     def pages(self) -> int:
@@ -221,7 +225,15 @@ class Reservation:
 
     def _grow(self, pages: int) -> None:
         for name, rng in self.ranges.items():
+            t0 = time.perf_counter()
             rng.grow_to(self._bytes(name, pages))
+            if name.startswith("host"):
+                self.host_wait_s += time.perf_counter() - t0
+
+    def host_seconds(self) -> tuple[float, float]:
+        """(seconds this layer's forwards spent in host-tier commits or waiting for them, seconds spent committing
+        its host ranges on any thread) over the storage's life."""
+        return self.host_wait_s, sum(r.commit_s for n, r in self.ranges.items() if n.startswith("host"))
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import math
 import threading
+import time
 import warnings
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -345,6 +346,7 @@ class HostRange(_Range):
         self._lock = threading.Lock()
         self._finalizer = weakref.finalize(self, self._mem.free)
         self._finalizer.atexit = False
+        self.commit_s = 0.0  # seconds spent populating and page-locking so far, on whichever thread grew it
 
     @property
     def pinned(self) -> bool:
@@ -370,11 +372,14 @@ class HostRange(_Range):
                 cap = min(cap, limit // self.unit * self.unit)
             end = commit_end(mem.committed, nbytes, self.unit, self.chunk_bytes, cap)
             at, size = mem.start + mem.committed, end - mem.committed
+            t0 = time.perf_counter()
             try:
                 self._commit(at, size)
             except BaseException:
                 discard(at, size)
                 raise
+            finally:
+                self.commit_s += time.perf_counter() - t0
             mem.committed = end
 
     def _commit(self, at: int, size: int) -> None:

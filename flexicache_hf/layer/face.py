@@ -270,6 +270,9 @@ class FlexiCacheLayer(CacheLayerMixin):
     def host_bytes(self) -> int:
         return self.storage.host_bytes() if self.is_initialized else 0
 
+    def host_seconds(self) -> tuple[float, float]:
+        return self.storage.host_seconds() if self.is_initialized else (0.0, 0.0)
+
     def host_plan(self, end: int, key_states: torch.Tensor, tp_size: int | None = None) -> list[tuple[int, int]]:
         """The ``(bytes, run)`` of the host blocks this layer allocates to make room for ``end`` tokens (``[]``: none):
         sizes only, nothing is allocated.  Before the layer's first forward they are predicted from ``key_states``

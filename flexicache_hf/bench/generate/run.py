@@ -126,7 +126,7 @@ def generate_once(model, ids, row: str, args, new: int, *, profile=None, stop_af
         res.update(storage_reused=not passed_in and cache.storage_reused, promoted_pages=cache.stats.promoted_pages,
                    host_tier_bytes=cache.host_bytes(),
                    device_kv_bytes=cache.device_bytes(), dense_kv_bytes=cache.dense_bytes(),
-                   cache_is_compileable=bool(cache.is_compileable))
+                   cache_is_compileable=bool(cache.is_compileable), **cache.host_seconds())
     return res, cache, out
 
 
@@ -192,7 +192,8 @@ def run_row(model, ids, row, args, profile, warmed: set, *, again: bool = True) 
             # warmup_ttft_s: the row's first cache's time to first token (the prefill runs eagerly, before the
             # decode step compiles): for the first cache row of a process, its first cache's (page-locking included)
             warm = {"warmup_s": time.perf_counter() - t, "warmup_graphs_added": res["dynamo_graphs_added"],
-                    "warmup_ttft_s": res.get("ttft_s"),
+                    "warmup_ttft_s": res.get("ttft_s"), "warmup_host_wait_s": res.get("host_wait_s"),
+                    "warmup_host_commit_s": res.get("host_commit_s"),
                     "compile_skipped": res["dynamo_graphs_added"] == 0}  # generate declined to compile
         elif row not in warmed:
             generate_once(model, ids[:1, :1024], row, args, 8, profile=profile)
