@@ -80,7 +80,6 @@ class FlexiCacheConfig:
             at 16k the two keep the same accuracy (``docs/benchmarks/accuracy.md``, ``stagger-16k``).  Either way
             the prompt's last query gives the stable heads their first top-K (it stands for step 0's re-rank), and
             after a follow-up prompt chunk step 0 re-ranks every head.
-
         overlap_loads: ``True``: a stable head due to re-rank attends its previous selection (and the pages since)
             at that step, then re-ranks with the step's query; its promoted pages load from the host tier on a load
             stream while the later layers compute (joined at the end of the forward), and the new selection serves
