@@ -412,3 +412,31 @@ def test_prefill_in_chunks_then_generate_gives_the_one_shot_tokens():
         assert int(cache.get_seq_length()) == ids.shape[1] - 1
         got = model.generate(ids, past_key_values=cache, **kw)
     assert torch.equal(got, want)
+
+
+def test_triton_compiles_counts_builds_and_hits_and_puts_the_listener_back():
+    """The listener ``TritonCompiles`` installs counts compiles (their times summed, microseconds to seconds) and
+    cache loads, passes each event on to the listener it found, and leaves that listener in place afterwards."""
+    from flexicache_hf.bench.generate.device import TritonCompiles
+
+    knobs = pytest.importorskip("triton").knobs
+    if not hasattr(getattr(knobs, "compilation", None), "listener"):
+        pytest.skip("this Triton has no compilation listener")
+    seen = []
+
+    def previous(**kw):
+        seen.append(kw["cache_hit"])
+
+    old = knobs.compilation.listener
+    knobs.compilation.listener = previous
+    try:
+        with TritonCompiles() as tc:
+            event = dict(src=None, metadata={}, metadata_group={})
+            knobs.compilation.listener(**event, times=types.SimpleNamespace(total=1_500_000), cache_hit=False)
+            knobs.compilation.listener(**event, times=types.SimpleNamespace(total=250_000), cache_hit=False)
+            knobs.compilation.listener(**event, times=types.SimpleNamespace(total=3), cache_hit=True)
+        assert knobs.compilation.listener is previous
+    finally:
+        knobs.compilation.listener = old
+    assert tc.record() == {"triton_compiles": 2, "triton_cache_hits": 1, "triton_compile_s": pytest.approx(1.75)}
+    assert seen == [False, False, True]

@@ -110,3 +110,44 @@ def release(model, *, compiled: bool) -> None:
         torch.cuda.empty_cache()
     except RuntimeError as e:  # a sticky CUDA error: the rows after this one will record it
         print(f"release: {e}", flush=True)
+
+
+class TritonCompiles:
+    """``with TritonCompiles() as tc``: the Triton kernels this process compiled inside the block (``tc.misses``,
+    their compile times summed in ``tc.seconds``) and the ones it loaded from Triton's cache (``tc.hits``), through
+    ``triton.knobs.compilation.listener`` (the listener before the block is called too, and put back after it).
+    What a first cache's time to first token spends building kernels.  Kernels torch.compile builds in its worker
+    processes are not seen; with a Triton without the listener every count stays ``None``."""
+
+    def __init__(self):
+        self.misses = self.hits = self.seconds = None
+        self._knobs = self._previous = None
+
+    def __enter__(self) -> "TritonCompiles":
+        try:
+            from triton import knobs
+        except ImportError:
+            return self
+        if not hasattr(getattr(knobs, "compilation", None), "listener"):
+            return self
+        self._knobs, self._previous = knobs, knobs.compilation.listener
+        self.misses, self.hits, self.seconds = 0, 0, 0.0
+        knobs.compilation.listener = self._listen
+        return self
+
+    def _listen(self, *, src, metadata, metadata_group, times, cache_hit) -> None:
+        if cache_hit:
+            self.hits += 1
+        else:
+            self.misses += 1
+            self.seconds += times.total / 1e6  # CompileTimes are in microseconds
+        if self._previous is not None:
+            self._previous(src=src, metadata=metadata, metadata_group=metadata_group, times=times,
+                           cache_hit=cache_hit)
+
+    def __exit__(self, *exc) -> None:
+        if self._knobs is not None:
+            self._knobs.compilation.listener = self._previous
+
+    def record(self) -> dict:
+        return {"triton_compiles": self.misses, "triton_cache_hits": self.hits, "triton_compile_s": self.seconds}

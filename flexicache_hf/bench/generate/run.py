@@ -12,8 +12,8 @@ import torch
 
 from ...hf_compat import forward_cache_kwarg, generate_cache_kwarg
 from .clock import StepClock, summarise, summarise_assisted
-from .device import (HostLimitError, cudagraph_recordings, dynamo_counts, empty_host_cache, error_record, kv_bytes,
-                     pinned_stats, release)
+from .device import (HostLimitError, TritonCompiles, cudagraph_recordings, dynamo_counts, empty_host_cache,
+                     error_record, kv_bytes, pinned_stats, release)
 from .rows import attn_impl, is_compiled, is_profiled, is_user_call
 from .trace import TOP_KERNELS, gpu_busy, split_events, top_kernels
 
@@ -97,10 +97,11 @@ def generate_once(model, ids, row: str, args, new: int, *, profile=None, stop_af
     torch.cuda.reset_peak_memory_stats()
     torch.cuda.synchronize()
     clock.t0 = time.perf_counter()
-    if chunk:  # the time to first token includes the chunks
-        prefill_in_chunks(model, ids, cache, chunk)
-    out = model.generate(ids, **kw)
-    torch.cuda.synchronize()
+    with TritonCompiles() as builds:
+        if chunk:  # the time to first token includes the chunks
+            prefill_in_chunks(model, ids, cache, chunk)
+        out = model.generate(ids, **kw)
+        torch.cuda.synchronize()
     new_tokens = out.shape[1] - ids.shape[1]
     res = summarise_assisted(clock, new_tokens, time.perf_counter()) if lookup else summarise(clock)
     # The generated tokens' digest: two runs (two versions of the code) decoded the same tokens iff it matches.
@@ -115,7 +116,7 @@ def generate_once(model, ids, row: str, args, new: int, *, profile=None, stop_af
                dynamo_graphs_added=graphs1 - graphs0, batch=ids.shape[0], prompt_tokens=ids.shape[1],
                compiled=(bool(getattr(cache, "is_compileable", False)) if is_user_call(row) else is_compiled(row))
                and not eager and not lookup, prefill_chunk_size=chunk or None,
-               prompt_lookup=lookup or None)
+               prompt_lookup=lookup or None, **builds.record())
     if rec0 is not None and rec1 is not None and rec1 >= rec0:
         res["cudagraphs_recorded"] = rec1 - rec0  # 0: every compiled step replayed graphs recorded earlier
     cg = {k: v - cg0.get(k, 0) for k, v in cg1.items() if v - cg0.get(k, 0)}
@@ -194,6 +195,7 @@ def run_row(model, ids, row, args, profile, warmed: set, *, again: bool = True) 
             warm = {"warmup_s": time.perf_counter() - t, "warmup_graphs_added": res["dynamo_graphs_added"],
                     "warmup_ttft_s": res.get("ttft_s"), "warmup_host_wait_s": res.get("host_wait_s"),
                     "warmup_host_commit_s": res.get("host_commit_s"),
+                    "warmup_triton_compile_s": res.get("triton_compile_s"),
                     "compile_skipped": res["dynamo_graphs_added"] == 0}  # generate declined to compile
         elif row not in warmed:
             generate_once(model, ids[:1, :1024], row, args, 8, profile=profile)
