@@ -13,14 +13,18 @@ import threading
 
 _tls = threading.local()  # the devices whose primary context was made current in each thread
 _import_lock = threading.Lock()
+_core = []  # the module once imported whole (every page copy asks for it: no lock after the first import)
 
 
 def cuda_core():
     """The ``cuda.core`` module, imported under this module's lock (raises ``ImportError`` without cuda-python)."""
-    with _import_lock:
-        import cuda.core
+    if not _core:
+        with _import_lock:
+            if not _core:
+                import cuda.core
 
-    return cuda.core
+                _core.append(cuda.core)
+    return _core[0]
 
 
 def make_current(index: int) -> None:

@@ -1,11 +1,12 @@
 """CUDA twins of :func:`~flexicache_hf.kernels.reference.load_pages_behind` and :func:`~.reference.join_loads`:
 page loads that run behind the compute.
 
-A device's load stream (:mod:`~flexicache_hf.load_stream`) takes the page copies a decode step issues after a layer's attention (``FlexiCacheConfig.overlap_loads``): the stream first waits
-for the compute stream (so the copies follow what was queued before them: the attention that read the slots, the
-reseat that chose them), then the copies run there while the later layers compute, and :func:`join_loads` makes the
-compute stream wait for them (the last layer of the forward).  Inside a captured decode step the same calls fork the
-load stream off the capture and join it back, so the graph holds the copies as a parallel branch.
+A device's load stream (:mod:`~flexicache_hf.load_stream`) takes the page copies a decode step issues after a layer's
+attention (``FlexiCacheConfig.overlap_loads``): the stream first waits for the compute stream (so the copies follow
+what was queued before them: the attention that read the slots, the reseat that chose them), then the copies run there
+while the later layers compute, and :func:`join_loads` makes the compute stream wait for them (the last layer of the
+forward). Inside a captured decode step the same calls fork the load stream off the capture and join it back, so the
+graph holds the copies as a parallel branch.
 
 The index lists are cloned on the compute stream before the fork: the clones come from the caching allocator and
 are recorded on the load stream, so neither an eager caller nor a compiled step's buffer reuse can hand their memory

@@ -72,14 +72,14 @@ class DecodeState:
     ``pos``, ``page``, ``offset``, ``num_pages``, ``new_page``, ``page_full``.  Every tensor has shape ``[1]`` and
     a fixed address for the cache's life.
 
-    Per layer, from :meth:`begin_layer` (each layer calls it as its step begins): ``due`` (its stable heads
-    re-rank now, on the steps ``s > 0`` with ``s ≡ phase (mod R)``, and on step 0 after a follow-up chunk) and
-    ``anchor`` (the newest page when they last re-ranked).  With ``overlap`` (``FlexiCacheConfig.overlap_loads``)
-    the steps ``s > 0`` on phase are ``late`` instead (the heads attend their previous selection, then re-rank:
-    :mod:`~flexicache_hf.layer.decode`), ``since`` keeps the anchor their attention extends from, and
-    ``load_token`` orders the step's page loads behind the compute and their join.  After a first prompt chunk the prompt's last query
-    was their first re-rank (each layer seats its top-K and sets its anchor then), so step 0 re-ranks none of
-    them.  Each layer's scalars, its phase included, are tensors of their own rather than elements of one
+    Per layer, from :meth:`begin_layer` (each layer calls it as its step begins): ``due`` (its stable heads re-rank
+    now, on the steps ``s > 0`` with ``s ≡ phase (mod R)``, and on step 0 after a follow-up chunk) and ``anchor``
+    (the newest page when they last re-ranked). With ``overlap`` (``FlexiCacheConfig.overlap_loads``) the steps
+    ``s > 0`` on phase are ``late`` instead (the heads attend their previous selection, then re-rank:
+    :mod:`~flexicache_hf.layer.decode`), ``since`` keeps the anchor their attention extends from, and ``load_token``
+    orders the step's page loads behind the compute and their join. After a first prompt chunk the prompt's last
+    query was their first re-rank (each layer seats its top-K and sets its anchor then), so step 0 re-ranks none of
+    them. Each layer's scalars, its phase included, are tensors of their own rather than elements of one
     ``[num_layers]`` tensor: a compiled step then reads them through pointers, so every layer's generated kernels
     are the same code (compiled once), not one variant per layer's constant index.
     """

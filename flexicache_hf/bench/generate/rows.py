@@ -41,7 +41,8 @@ def attn_impl(row: str) -> str:
 
 def is_compiled(row: str) -> bool:
     """Rows whose decode step ``generate`` compiles."""
-    return row in ("flexicache-graph", "flexicache-paper", "flexicache-overlap") or row == "static" or row.startswith("static-")
+    return (row in ("flexicache-graph", "flexicache-paper", "flexicache-overlap") or row == "static"
+            or row.startswith("static-"))
 
 
 def is_user_call(row: str) -> bool:
