@@ -155,6 +155,7 @@ class Reservation:
         # seconds this layer's own commits (its forwards' thread) spent on the host tier's ranges: committing, or
         # waiting for a commit running in the background (host_ahead) to finish
         self.host_wait_s = 0.0
+        self.device_commit_s = 0.0  # seconds its device ranges spent mapping memory (cuMemCreate / Map / SetAccess)
 
     @property
     def pages(self) -> int:
@@ -229,11 +230,14 @@ class Reservation:
             rng.grow_to(self._bytes(name, pages))
             if name.startswith("host"):
                 self.host_wait_s += time.perf_counter() - t0
+            else:
+                self.device_commit_s += time.perf_counter() - t0
 
-    def host_seconds(self) -> tuple[float, float]:
+    def commit_seconds(self) -> tuple[float, float, float]:
         """(seconds this layer's forwards spent in host-tier commits or waiting for them, seconds spent committing
-        its host ranges on any thread) over the storage's life."""
-        return self.host_wait_s, sum(r.commit_s for n, r in self.ranges.items() if n.startswith("host"))
+        its host ranges on any thread, seconds spent mapping its device ranges) over the storage's life."""
+        host = sum(r.commit_s for n, r in self.ranges.items() if n.startswith("host"))
+        return self.host_wait_s, host, self.device_commit_s
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)

@@ -52,12 +52,14 @@ class CacheAccounting:
     def device_bytes(self) -> int:
         return sum(layer.device_bytes() for layer in self.layers)
 
-    def host_seconds(self) -> dict:
-        """Reserved storage's host-tier commits, summed over layers, over the storage's life (a recycled storage's
-        earlier caches included): ``host_wait_s``, the seconds forwards spent committing or waiting for a background
-        commit; ``host_commit_s``, the seconds spent populating and page-locking on any thread."""
-        waits = [layer.host_seconds() for layer in self.layers]
-        return {"host_wait_s": sum(w for w, _ in waits), "host_commit_s": sum(c for _, c in waits)}
+    def commit_seconds(self) -> dict:
+        """Reserved storage's commits, summed over layers, over the storage's life (a recycled storage's earlier
+        caches included): ``host_wait_s``, the seconds forwards spent committing the host tier or waiting for a
+        background commit; ``host_commit_s``, the seconds spent populating and page-locking on any thread;
+        ``device_commit_s``, the seconds forwards spent mapping device memory."""
+        per_layer = [layer.commit_seconds() for layer in self.layers]
+        keys = ("host_wait_s", "host_commit_s", "device_commit_s")
+        return {key: sum(t[i] for t in per_layer) for i, key in enumerate(keys)}
 
     def dense_bytes(self) -> int:
         self.sync()

@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from .host_memory import (PAGE, HostMemoryError, PinSettings, _driver, discard, format_bytes, map_anonymous, populate,
-                          register, unmap, unregister)
+                          populate_pool, register, unmap, unregister)
 
 _BYTES = {1: "|u1", 2: "<i2", 4: "<i4", 8: "<i8"}  # __cuda_array_interface__ type codes by width (no bfloat16 code)
 
@@ -329,7 +329,8 @@ class HostRange(_Range):
         chunk_bytes: the least one growth commits (rounded up to whole pages and ``align``).
         align: a copy's row in bytes: a chunk boundary never splits one (rows laid out from the start).
         settings: populating threads and registration pieces (:class:`~flexicache_hf.host_memory.PinSettings`).
-        pool: populating threads to use (``None``: a pool of ``settings.threads`` for each growth of several tasks).
+        pool: populating threads to use (``None``: the process's pool of ``settings.threads``,
+            :func:`~flexicache_hf.host_memory.populate_pool`, for a growth of several tasks).
     """
 
     def __init__(self, max_bytes: int, device: int | str | torch.device | None = None, chunk_bytes: int = 64 << 20,
@@ -386,11 +387,10 @@ class HostRange(_Range):
         """Populate ``[at, at + size)`` on several threads, then page-lock it (when pinned)."""
         s = self.settings
         if s.threads:
-            if self.pool is None and s.threads > 1 and size > s.chunk_bytes:
-                with ThreadPoolExecutor(s.threads, thread_name_prefix="flexicache-populate") as pool:
-                    populate(at, size, s.chunk_bytes, pool)
-            else:
-                populate(at, size, s.chunk_bytes, self.pool)
+            pool = self.pool
+            if pool is None and s.threads > 1 and size > s.chunk_bytes:
+                pool = populate_pool(s.threads)
+            populate(at, size, s.chunk_bytes, pool)
         if self.device is not None:
             self._mem.spans += register(at, size, self.device, self.align, s.piece_bytes)
 

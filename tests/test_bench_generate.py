@@ -431,12 +431,14 @@ def test_triton_compiles_counts_builds_and_hits_and_puts_the_listener_back():
     knobs.compilation.listener = previous
     try:
         with TritonCompiles() as tc:
-            event = dict(src=None, metadata={}, metadata_group={})
+            event = dict(src=types.SimpleNamespace(name="_kernel_a"), metadata={}, metadata_group={})
             knobs.compilation.listener(**event, times=types.SimpleNamespace(total=1_500_000), cache_hit=False)
-            knobs.compilation.listener(**event, times=types.SimpleNamespace(total=250_000), cache_hit=False)
+            knobs.compilation.listener(**{**event, "src": None}, times=types.SimpleNamespace(total=250_000),
+                                       cache_hit=False)
             knobs.compilation.listener(**event, times=types.SimpleNamespace(total=3), cache_hit=True)
         assert knobs.compilation.listener is previous
     finally:
         knobs.compilation.listener = old
-    assert tc.record() == {"triton_compiles": 2, "triton_cache_hits": 1, "triton_compile_s": pytest.approx(1.75)}
+    assert tc.record() == {"triton_compiles": 2, "triton_cache_hits": 1, "triton_compile_s": pytest.approx(1.75),
+                           "triton_kernels": {"_kernel_a": [1, 1.5], "?": [1, 0.25]}}
     assert seen == [False, False, True]

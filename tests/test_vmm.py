@@ -105,6 +105,35 @@ def test_host_range_grows_in_place_keeping_its_contents():
     r.release()
 
 
+def test_host_ranges_grow_on_the_process_populating_pool(monkeypatch):
+    """Every growth of several tasks populates on one kept pool of the settings' threads (a pool made per growth
+    stalled a prefill's launching thread on the H200): two ranges, several growths, one pool and its threads only."""
+    import threading
+
+    from flexicache_hf import host_memory, vmm
+
+    seen = []
+    populate = vmm.populate
+
+    def spy(addr, nbytes, chunk_bytes, pool):
+        seen.append(pool)
+        return populate(addr, nbytes, chunk_bytes, pool)
+
+    monkeypatch.setattr(vmm, "populate", spy)
+    before = {t.ident for t in threading.enumerate()}
+    ranges = [HostRange(64 * MIB, chunk_bytes=4 * MIB, settings=PinSettings(threads=3, chunk_bytes=MIB))
+              for _ in range(2)]
+    for want in (8 * MIB, 20 * MIB, 40 * MIB):
+        for r in ranges:
+            r.grow_to(want)
+    assert len(seen) == 6 and all(p is host_memory.populate_pool(3) for p in seen)
+    new = [t for t in threading.enumerate() if t.ident not in before]
+    assert len(new) <= 3 and all(t.name.startswith("flexicache-populate") for t in new)  # the pool's, if new
+    assert host_memory.populate_pool(3) is not host_memory.populate_pool(2)
+    for r in ranges:
+        r.release()
+
+
 def test_host_range_limit_refuses_before_anything_changes():
     r = HostRange(64 * MIB, chunk_bytes=8 * MIB)
     r.grow_to(MIB, limit=20 * MIB)

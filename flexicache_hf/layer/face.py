@@ -270,8 +270,8 @@ class FlexiCacheLayer(CacheLayerMixin):
     def host_bytes(self) -> int:
         return self.storage.host_bytes() if self.is_initialized else 0
 
-    def host_seconds(self) -> tuple[float, float]:
-        return self.storage.host_seconds() if self.is_initialized else (0.0, 0.0)
+    def commit_seconds(self) -> tuple[float, float, float]:
+        return self.storage.commit_seconds() if self.is_initialized else (0.0, 0.0, 0.0)
 
     def host_plan(self, end: int, key_states: torch.Tensor, tp_size: int | None = None) -> list[tuple[int, int]]:
         """The ``(bytes, run)`` of the host blocks this layer allocates to make room for ``end`` tokens (``[]``: none):

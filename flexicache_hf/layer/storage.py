@@ -168,10 +168,10 @@ class LayerStorage:
         """Host bytes held: the tier's (committed, for reserved storage)."""
         return self.host.nbytes() if self.reserved is None else self.reserved.host_bytes()
 
-    def host_seconds(self) -> tuple[float, float]:
-        """Reserved storage's host-tier commit times (:meth:`~flexicache_hf.reserve.Reservation.host_seconds`);
-        zeros for sized or growing storage (their page-locking is the block keeper's, ``BLOCKS.stats()``)."""
-        return (0.0, 0.0) if self.reserved is None else self.reserved.host_seconds()
+    def commit_seconds(self) -> tuple[float, float, float]:
+        """Reserved storage's commit times (:meth:`~flexicache_hf.reserve.Reservation.commit_seconds`); zeros for
+        sized or growing storage (their page-locking is the block keeper's, ``BLOCKS.stats()``)."""
+        return (0.0, 0.0, 0.0) if self.reserved is None else self.reserved.commit_seconds()
 
     def __getstate__(self) -> dict:
         """Reserved storage travels as its committed prefix (ranges are this process's): made again on load."""

@@ -114,13 +114,14 @@ def release(model, *, compiled: bool) -> None:
 
 class TritonCompiles:
     """``with TritonCompiles() as tc``: the Triton kernels this process compiled inside the block (``tc.misses``,
-    their compile times summed in ``tc.seconds``) and the ones it loaded from Triton's cache (``tc.hits``), through
+    their compile times summed in ``tc.seconds``, per kernel name in ``tc.kernels``: ``[compiles, seconds]``) and the
+    ones it loaded from Triton's cache (``tc.hits``), through
     ``triton.knobs.compilation.listener`` (the listener before the block is called too, and put back after it).
     What a first cache's time to first token spends building kernels.  Kernels torch.compile builds in its worker
     processes are not seen; with a Triton without the listener every count stays ``None``."""
 
     def __init__(self):
-        self.misses = self.hits = self.seconds = None
+        self.misses = self.hits = self.seconds = self.kernels = None
         self._knobs = self._previous = None
 
     def __enter__(self) -> "TritonCompiles":
@@ -131,7 +132,7 @@ class TritonCompiles:
         if not hasattr(getattr(knobs, "compilation", None), "listener"):
             return self
         self._knobs, self._previous = knobs, knobs.compilation.listener
-        self.misses, self.hits, self.seconds = 0, 0, 0.0
+        self.misses, self.hits, self.seconds, self.kernels = 0, 0, 0.0, {}
         knobs.compilation.listener = self._listen
         return self
 
@@ -140,7 +141,10 @@ class TritonCompiles:
             self.hits += 1
         else:
             self.misses += 1
-            self.seconds += times.total / 1e6  # CompileTimes are in microseconds
+            seconds = times.total / 1e6  # CompileTimes are in microseconds
+            self.seconds += seconds
+            entry = self.kernels.setdefault(str(getattr(src, "name", "?")), [0, 0.0])
+            entry[0], entry[1] = entry[0] + 1, round(entry[1] + seconds, 3)
         if self._previous is not None:
             self._previous(src=src, metadata=metadata, metadata_group=metadata_group, times=times,
                            cache_hit=cache_hit)
@@ -150,4 +154,5 @@ class TritonCompiles:
             self._knobs.compilation.listener = self._previous
 
     def record(self) -> dict:
-        return {"triton_compiles": self.misses, "triton_cache_hits": self.hits, "triton_compile_s": self.seconds}
+        return {"triton_compiles": self.misses, "triton_cache_hits": self.hits, "triton_compile_s": self.seconds,
+                "triton_kernels": self.kernels}

@@ -127,7 +127,7 @@ def generate_once(model, ids, row: str, args, new: int, *, profile=None, stop_af
         res.update(storage_reused=not passed_in and cache.storage_reused, promoted_pages=cache.stats.promoted_pages,
                    host_tier_bytes=cache.host_bytes(),
                    device_kv_bytes=cache.device_bytes(), dense_kv_bytes=cache.dense_bytes(),
-                   cache_is_compileable=bool(cache.is_compileable), **cache.host_seconds())
+                   cache_is_compileable=bool(cache.is_compileable), **cache.commit_seconds())
     return res, cache, out
 
 
@@ -195,7 +195,9 @@ def run_row(model, ids, row, args, profile, warmed: set, *, again: bool = True) 
             warm = {"warmup_s": time.perf_counter() - t, "warmup_graphs_added": res["dynamo_graphs_added"],
                     "warmup_ttft_s": res.get("ttft_s"), "warmup_host_wait_s": res.get("host_wait_s"),
                     "warmup_host_commit_s": res.get("host_commit_s"),
+                    "warmup_device_commit_s": res.get("device_commit_s"),
                     "warmup_triton_compile_s": res.get("triton_compile_s"),
+                    "warmup_triton_kernels": res.get("triton_kernels"),
                     "compile_skipped": res["dynamo_graphs_added"] == 0}  # generate declined to compile
         elif row not in warmed:
             generate_once(model, ids[:1, :1024], row, args, 8, profile=profile)
