@@ -191,6 +191,39 @@ def test_search_non_monotone_does_not_loop():
     assert len(calls) == len(set(calls)) <= 8 and tried[best] is True
 
 
+def test_largest_batch_rows_are_measured_at_each_rows_own_largest_batch_and_marked(monkeypatch):
+    """``--largest-batch``: each row searched, then measured at its own largest batch, the measured records marked
+    ``largest_batch_row: true`` (the throughput table's rows); a largest batch whose measured call fails is recorded
+    unmarked and the next one down measured instead."""
+    from flexicache_hf.bench.generate import search
+
+    fits = {"dynamic": 20, "flexicache-graph": 40}  # the most rows each "fits"
+    fails_measured = {("flexicache-graph", 40)}  # passes its probe, fails its measured call
+
+    def probe(model, ids, row, args, new, **kw):
+        if ids.shape[0] > fits[row]:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+
+    def measure(model, ids, row, args, profile, warmed, again):
+        b = ids.shape[0]
+        return [(row, {"error": "out of memory"} if (row, b) in fails_measured else {"median_step_ms": 1.0, "batch": b})]
+
+    monkeypatch.setattr(search, "generate_once", probe)
+    monkeypatch.setattr(search, "run_row", measure)
+    monkeypatch.setattr(search, "release", lambda *a, **k: None)
+    monkeypatch.setattr(search, "empty_host_cache", lambda: None)
+    args = types.SimpleNamespace(probe_tokens=4, offloaded_tokens=4, new_tokens=4, probe_compiled=False,
+                                 probe_start=16, probe_step=8, max_probes=8)
+    got = []
+    search.run_largest(None, lambda b, n: torch.zeros(b, n, dtype=torch.long), 8, ["dynamic", "flexicache-graph"],
+                       args, None, set(), lambda case, row, res: got.append((case, row, res)))
+    assert [(c, r, res["largest_batch"]) for c, r, res in got if c == "largest@8"] == [
+        ("largest@8", "dynamic", 16), ("largest@8", "flexicache-graph", 40)]
+    measured = [(c, r, res["largest_batch_row"]) for c, r, res in got if c != "largest@8"]
+    assert measured == [("16x8", "dynamic", True), ("40x8", "flexicache-graph", False),
+                        ("32x8", "flexicache-graph", True)]
+
+
 # ---- profile: GPU busy fraction -------------------------------------------------------------------------------
 def test_union_length():
     assert union_length([]) == 0

@@ -96,10 +96,11 @@ def run_largest(model, make_prompt, length, rows, args, profile, warmed, record)
                                           "probes_compiled": bool(args.probe_compiled),
                                           "probes_of": key})
         candidates = sorted((b for b, v in tried.items() if v == "ok"), reverse=True)[:2]
-        for b in candidates:
+        for b in candidates:  # the largest that passed; the next one down if its measured call fails
             new_batch(b)
             results = run_row(model, prompt(b), row, args, profile, warmed, again=False)
-            for name, res in results:
-                record(f"{b}x{length}", name, res)
-            if not any("error" in res for _, res in results):
+            measured = not any("error" in res for _, res in results)
+            for name, res in results:  # the throughput table's rows: each row at its own largest batch
+                record(f"{b}x{length}", name, {**res, "largest_batch_row": measured})
+            if measured:
                 break
