@@ -475,3 +475,21 @@ def test_triton_compiles_counts_builds_and_hits_and_puts_the_listener_back():
     assert tc.record() == {"triton_compiles": 2, "triton_cache_hits": 1, "triton_compile_s": pytest.approx(1.75),
                            "triton_kernels": {"_kernel_a": [1, 1.5], "?": [1, 0.25]}}
     assert seen == [False, False, True]
+
+
+def test_compile_phases_since_a_snapshot_are_the_phases_that_grew(monkeypatch):
+    """``phases_since``: torch.compile's per-phase seconds spent after a snapshot, largest first, the unchanged and
+    the negligible left out."""
+    import torch._dynamo.utils as dynamo_utils
+
+    from flexicache_hf.bench.generate.device import compile_phases, phases_since
+
+    metrics = {"bytecode_tracing": [1.0, 2.0], "build_guards": [0.5]}
+    monkeypatch.setattr(dynamo_utils, "compilation_time_metrics", metrics)
+    before = compile_phases()
+    assert before == {"bytecode_tracing": 3.0, "build_guards": 0.5}
+    metrics["bytecode_tracing"].append(4.25)
+    metrics["compile_fx"] = [7.0]
+    metrics["tiny"] = [0.0001]
+    assert phases_since(before) == {"compile_fx": 7.0, "bytecode_tracing": 4.25}
+    assert list(phases_since(before, top=1)) == ["compile_fx"]

@@ -80,6 +80,25 @@ def dynamo_counts() -> tuple[int, dict]:
     return int(counters["stats"]["unique_graphs"]), {k: v for k, v in counters["inductor"].items() if "cudagraph" in k}
 
 
+def compile_phases() -> dict[str, float]:
+    """Seconds torch.compile has spent so far in each of its timed phases (``torch._dynamo.utils``'s
+    ``compilation_time_metrics``: Dynamo's bytecode tracing, AOT autograd, Inductor's lowering and code generation,
+    waiting for its kernel builds, ...), summed per phase; ``{}`` without them."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+    except Exception:  # noqa: BLE001
+        return {}
+    return {name: float(sum(times)) for name, times in list(compilation_time_metrics.items())}
+
+
+def phases_since(before: dict[str, float], top: int = 12) -> dict[str, float]:
+    """The ``top`` phases by seconds spent since ``before`` (a :func:`compile_phases` snapshot), rounded to ms."""
+    now = compile_phases()
+    spent = {name: now[name] - before.get(name, 0.0) for name in now}
+    best = sorted(((s, n) for n, s in spent.items() if s > 0.0005), reverse=True)[:top]
+    return {name: round(s, 3) for s, name in best}
+
+
 def cudagraph_recordings() -> int | None:
     """CUDA graphs cudagraph trees recorded so far on the current device (None when unknown)."""
     try:

@@ -12,8 +12,8 @@ import torch
 
 from ...hf_compat import forward_cache_kwarg, generate_cache_kwarg
 from .clock import StepClock, summarise, summarise_assisted
-from .device import (HostLimitError, TritonCompiles, cudagraph_recordings, dynamo_counts, empty_host_cache,
-                     error_record, kv_bytes, pinned_stats, release)
+from .device import (HostLimitError, TritonCompiles, compile_phases, cudagraph_recordings, dynamo_counts,
+                     empty_host_cache, error_record, kv_bytes, phases_since, pinned_stats, release)
 from .rows import attn_impl, is_compiled, is_profiled, is_user_call
 from .trace import TOP_KERNELS, gpu_busy, split_events, top_kernels
 
@@ -188,7 +188,7 @@ def run_row(model, ids, row, args, profile, warmed: set, *, again: bool = True) 
     try:
         warm = {}
         if compiled:
-            t = time.perf_counter()
+            t, phases = time.perf_counter(), compile_phases()
             res, _, _ = generate_once(model, ids, row, args, new, profile=profile, stop_after=WARMUP_STEPS)
             # warmup_ttft_s: the row's first cache's time to first token (the prefill runs eagerly, before the
             # decode step compiles): for the first cache row of a process, its first cache's (page-locking included)
@@ -198,6 +198,7 @@ def run_row(model, ids, row, args, profile, warmed: set, *, again: bool = True) 
                     "warmup_device_commit_s": res.get("device_commit_s"),
                     "warmup_triton_compile_s": res.get("triton_compile_s"),
                     "warmup_triton_kernels": res.get("triton_kernels"),
+                    "warmup_compile_phases": phases_since(phases),  # torch.compile's phases, seconds
                     "compile_skipped": res["dynamo_graphs_added"] == 0}  # generate declined to compile
         elif row not in warmed:
             generate_once(model, ids[:1, :1024], row, args, 8, profile=profile)
