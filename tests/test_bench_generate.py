@@ -59,6 +59,36 @@ def test_step_clock_stops_after():
     assert not StepClock().stop(ids, None).any()  # measured calls never stop early
 
 
+def test_step_clock_profiles_the_prefill_only(monkeypatch):
+    """``profile_prefill``: the calling thread's Python from ``start`` to the first stamp, nothing after it;
+    ``top_functions`` lists the functions by cumulative time."""
+    import time
+
+    from flexicache_hf.bench.generate.clock import top_functions
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+
+    def prefill_work():
+        time.sleep(0.02)
+
+    def decode_work():
+        time.sleep(0.01)
+
+    c = StepClock(stop_after=2, profile_prefill=True)
+    c.start()
+    prefill_work()
+    c(torch.zeros(1, 3, dtype=torch.long), None)  # the first token: the profile stops
+    decode_work()
+    c(torch.zeros(1, 4, dtype=torch.long), None)
+    rows = top_functions(c.profiler, 50)
+    where = [r[3] for r in rows]
+    assert any("prefill_work" in w for w in where) and not any("decode_work" in w for w in where)
+    cum = {r[3].split("(")[-1].rstrip(")"): r[0] for r in rows}
+    assert cum["prefill_work"] >= 0.015
+    assert [r[0] for r in rows] == sorted((r[0] for r in rows), reverse=True) and len(top_functions(c.profiler, 2)) == 2
+    assert StepClock().profiler is None
+
+
 # ---- rows ---------------------------------------------------------------------------------------------------
 def test_rows_expand_and_classify():
     rows = expand_rows(["dynamic", "static", "flexicache", "flexicache-graph"], ["sdpa", "eager", "flex_attention"])
@@ -122,7 +152,7 @@ def test_cli_flags_and_defaults():
         "static_variants": "sdpa", "static_prefill_chunk": 0, "prefill_chunk": 0, "new_tokens": 256, "prompt_lookup": 0,
         "offloaded_tokens": 16, "budget": None, "rerank_interval": None, "stagger_reranks": None, "group_score": None,
         "page_size": None, "bound_shrink": None,
-        "unstable_group_score": None, "exact_candidates": None, "unstable_fraction": None, "profile_steps": 0, "largest_batch": None,
+        "unstable_group_score": None, "exact_candidates": None, "unstable_fraction": None, "prefill_profile": False, "profile_steps": 0, "largest_batch": None,
         "probe_tokens": 16, "probe_start": 16, "probe_step": 8, "max_probes": 8, "probe_compiled": False,
         "host_limit_gb": None, "followup": False, "followup_tokens": 512, "followup_repeats": 5,
         "out": Path(__file__).resolve().parents[1] / "docs" / "benchmarks", "tag": None}

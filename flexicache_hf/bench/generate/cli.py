@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="FlexiCacheConfig.exact_candidates (with exact: pages scored exactly, x budget; 0: all)")
     ap.add_argument("--unstable-fraction", type=float, default=None,
                     help="re-cut the model's shipped profile to its least-stable fraction of heads")
+    ap.add_argument("--prefill-profile", action="store_true",
+                    help="cProfile the warm-up call's prefill (the first cache of a compiled row): its top functions "
+                         "in warmup_prefill_profile")
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="profile N+8 more tokens of the compiled rows (GPU busy fraction, kernels per step)")
     ap.add_argument("--largest-batch", type=int, default=None, metavar="PROMPT_LEN",

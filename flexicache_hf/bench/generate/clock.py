@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import cProfile
+import pstats
 import statistics
 import time
 
@@ -14,17 +16,28 @@ class StepClock:
     """Logits processor: synchronise and stamp every generated token; stop after ``stop_after`` if given.
 
     With ``mark`` it also drops a zero-length ``record_function`` marker at each stamp (for ``--profile-steps``).
+    With ``profile_prefill`` it holds a ``cProfile`` profiler the caller starts (:meth:`start`) just before
+    ``generate``; the first stamp stops it: the calling thread's Python during the prefill (``--prefill-profile``).
     """
 
-    def __init__(self, stop_after: int | None = None, mark: bool = False):
+    def __init__(self, stop_after: int | None = None, mark: bool = False, profile_prefill: bool = False):
         self.stamps: list[float] = []
         self.lengths: list[int] = []  # the sequence length each stamp scored (assisted decoding: several per forward)
         self.stop_after = stop_after
         self.mark = mark
+        self.profiler = cProfile.Profile() if profile_prefill else None
         self.t0 = time.perf_counter()
+
+    def start(self) -> None:
+        """The call starts now (and, with ``profile_prefill``, its profile)."""
+        self.t0 = time.perf_counter()
+        if self.profiler is not None:
+            self.profiler.enable()
 
     def __call__(self, input_ids, scores):
         torch.cuda.synchronize()
+        if self.profiler is not None and not self.stamps:
+            self.profiler.disable()
         self.stamps.append(time.perf_counter())
         self.lengths.append(input_ids.shape[1])
         if self.mark:
@@ -35,6 +48,14 @@ class StepClock:
     def stop(self, input_ids, scores, **kwargs):  # a StoppingCriteria (warm-up calls only)
         done = self.stop_after is not None and len(self.stamps) >= self.stop_after
         return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+
+
+def top_functions(profiler: cProfile.Profile, n: int = 25) -> list[list]:
+    """The ``n`` functions of a profile with the most cumulative time: ``[cumulative s, own s, calls, where]``."""
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (primitive calls, calls, own s, cumulative s, ...)}
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][3])[:n]
+    return [[round(ct, 3), round(tt, 3), nc, f"{file}:{line}({name})"] for (file, line, name), (_, nc, tt, ct, _)
+            in rows]
 
 
 def _pct(xs: list[float], q: float) -> float:

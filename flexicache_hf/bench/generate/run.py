@@ -11,7 +11,7 @@ import time
 import torch
 
 from ...hf_compat import forward_cache_kwarg, generate_cache_kwarg
-from .clock import StepClock, summarise, summarise_assisted
+from .clock import StepClock, summarise, summarise_assisted, top_functions
 from .device import (HostLimitError, TritonCompiles, compile_phases, cudagraph_recordings, dynamo_counts,
                      empty_host_cache, error_record, kv_bytes, phases_since, pinned_stats, release)
 from .rows import attn_impl, is_compiled, is_profiled, is_user_call
@@ -96,7 +96,7 @@ def generate_once(model, ids, row: str, args, new: int, *, profile=None, stop_af
     rec0 = cudagraph_recordings()
     torch.cuda.reset_peak_memory_stats()
     torch.cuda.synchronize()
-    clock.t0 = time.perf_counter()
+    clock.start()
     with TritonCompiles() as builds:
         if chunk:  # the time to first token includes the chunks
             prefill_in_chunks(model, ids, cache, chunk)
@@ -117,6 +117,8 @@ def generate_once(model, ids, row: str, args, new: int, *, profile=None, stop_af
                compiled=(bool(getattr(cache, "is_compileable", False)) if is_user_call(row) else is_compiled(row))
                and not eager and not lookup, prefill_chunk_size=chunk or None,
                prompt_lookup=lookup or None, **builds.record())
+    if clock.profiler is not None:  # the calling thread's Python up to the first token (--prefill-profile)
+        res["prefill_profile"] = top_functions(clock.profiler)
     if rec0 is not None and rec1 is not None and rec1 >= rec0:
         res["cudagraphs_recorded"] = rec1 - rec0  # 0: every compiled step replayed graphs recorded earlier
     cg = {k: v - cg0.get(k, 0) for k, v in cg1.items() if v - cg0.get(k, 0)}
@@ -189,7 +191,9 @@ def run_row(model, ids, row, args, profile, warmed: set, *, again: bool = True) 
         warm = {}
         if compiled:
             t, phases = time.perf_counter(), compile_phases()
-            res, _, _ = generate_once(model, ids, row, args, new, profile=profile, stop_after=WARMUP_STEPS)
+            clock = StepClock(WARMUP_STEPS, profile_prefill=getattr(args, "prefill_profile", False))
+            res, _, _ = generate_once(model, ids, row, args, new, profile=profile, stop_after=WARMUP_STEPS,
+                                      clock=clock)
             # warmup_ttft_s: the row's first cache's time to first token (the prefill runs eagerly, before the
             # decode step compiles): for the first cache row of a process, its first cache's (page-locking included)
             warm = {"warmup_s": time.perf_counter() - t, "warmup_graphs_added": res["dynamo_graphs_added"],
@@ -199,6 +203,7 @@ def run_row(model, ids, row, args, profile, warmed: set, *, again: bool = True) 
                     "warmup_triton_compile_s": res.get("triton_compile_s"),
                     "warmup_triton_kernels": res.get("triton_kernels"),
                     "warmup_compile_phases": phases_since(phases),  # torch.compile's phases, seconds
+                    "warmup_prefill_profile": res.get("prefill_profile"),
                     "compile_skipped": res["dynamo_graphs_added"] == 0}  # generate declined to compile
         elif row not in warmed:
             generate_once(model, ids[:1, :1024], row, args, 8, profile=profile)
