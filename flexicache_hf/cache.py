@@ -26,6 +26,7 @@ from .config import FlexiCacheConfig
 from .crop import crop, undo_refused
 from .handle import CacheStateError, ForwardGuard, PagedKV
 from .head_profile import HeadProfile, resolve_profile
+from .kernels import build_ahead
 from .layer import FlexiCacheLayer, LayerSpec
 from .lengths import check_room, refuse_length
 from .layer.schedule import DecodeState, state_for_device
@@ -111,6 +112,8 @@ class FlexiCache(CacheAccounting, Cache):
             weakref.finalize(self, KEEPER.keep, key, self.layers, self.states).atexit = False
         if model_config is not None:
             self.check_model(model_config)
+        if kernels is None and torch.cuda.is_available():
+            build_ahead()  # the CUDA kernels' backend, on a thread, while the caller goes on to its prefill
 
     @property
     def observer(self) -> SelectionObserver | None:  # fixed when the cache is made (its layers were told it)

@@ -1,5 +1,6 @@
 """The kernel table: one row per kernel gives both backends their fields and the decode step its custom ops."""
 
+import os
 import pickle
 import subprocess
 import sys
@@ -67,6 +68,38 @@ def test_the_cpu_path_imports_no_cuda_twin():
             "print(sorted(m for m in sys.modules if m.startswith('flexicache_hf.kernels.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert eval(out) == ["flexicache_hf.kernels.reference", "flexicache_hf.kernels.table"]
+
+
+def test_the_cuda_backend_is_built_ahead_once_and_a_forked_child_can_build_it():
+    """``build_ahead``: the CUDA twins' backend (and Triton's cache key) made on one daemon thread per process, which
+    a later use finds made; a second call starts nothing; a child forked while a build held the lock builds on its
+    own.  A cache made where CUDA is absent (CI) starts no build.  In a fresh interpreter: the table is per process."""
+    code = """
+import os, sys, threading, torch
+from flexicache_hf import FlexiCache
+from flexicache_hf.kernels import table
+FlexiCache("SmolLM2-135M-Instruct")  # no CUDA here: nothing built ahead
+assert not torch.cuda.is_available() and table.TRITON not in table._backends and not table._ahead
+t = table.build_ahead()
+assert t is not None and t.daemon and table.build_ahead() is None  # one build per process
+t.join(60)
+assert table.TRITON in table._backends and table.ops_named(table.TRITON) is table._backends[table.TRITON]
+from triton.runtime.cache import triton_key
+assert triton_key.cache_info().hits + triton_key.cache_info().currsize >= 1  # made on the thread
+assert table.build_ahead() is None
+table._building.acquire()  # a build holding the lock when the process forks
+pid = os.fork()
+if pid == 0:
+    ok = table._building.acquire(timeout=5) and not table._ahead
+    os._exit(0 if ok else 1)
+_, status = os.waitpid(pid, 0)
+table._building.release()
+assert os.waitstatus_to_exitcode(status) == 0
+print("ok")
+"""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=240)
+    assert out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
 def test_traced_calls_bind_like_the_reference():

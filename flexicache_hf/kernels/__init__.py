@@ -10,9 +10,9 @@ imports Triton or cuda-python.
 from __future__ import annotations
 
 from . import reference
-from .table import KERNELS, REFERENCE_OPS, TRITON, KernelOps, ops_for, ops_named
+from .table import KERNELS, REFERENCE_OPS, TRITON, KernelOps, build_ahead, ops_for, ops_named
 
-__all__ = ["KERNELS", "REFERENCE_OPS", "TRITON_OPS", "KernelOps", "ops_for", "ops_named", "reference"]
+__all__ = ["KERNELS", "REFERENCE_OPS", "TRITON_OPS", "KernelOps", "build_ahead", "ops_for", "ops_named", "reference"]
 
 
 def __getattr__(name: str):

@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import os
 import threading
 from typing import Any, Callable
 
@@ -224,6 +225,7 @@ def _backend(name: str, implementation: Callable[[Kernel], Callable[..., Any]]) 
 REFERENCE_OPS = _backend(REFERENCE, lambda k: k.reference)
 _backends = {REFERENCE: REFERENCE_OPS}
 _building = threading.Lock()
+_ahead: dict[str, threading.Thread] = {}  # backends being built ahead of their first use (build_ahead), by name
 
 
 def ops_named(name: str) -> KernelOps:
@@ -236,6 +238,44 @@ def ops_named(name: str) -> KernelOps:
             ops = _backends.get(name) or _backend(TRITON, lambda k: cuda_twin(k.name))
             _backends[name] = ops
     return ops
+
+
+def build_ahead(name: str = TRITON) -> threading.Thread | None:
+    """Build backend ``name`` on a daemon thread, once per process, ahead of its first use: Triton and cuda-python
+    imported, the kernels' modules loaded, and Triton's process-wide cache key (a hash of its ~500 MB library, which
+    its first compile or cache lookup computes) made, so that a first cache's prefill does not make them on its own
+    thread.  Returns the thread, or ``None`` when the backend is made or being made.  What fails here is left to the
+    first use, which builds the backend again and raises (a first use meanwhile waits for this build)."""
+    with _building:
+        if name in _backends or name in _ahead:
+            return None
+        thread = _ahead[name] = threading.Thread(target=_build_quietly, args=(name,), daemon=True,
+                                                 name=f"flexicache-build-{name}")
+    thread.start()
+    return thread
+
+
+def _build_quietly(name: str) -> None:
+    try:
+        ops_named(name)
+        if name == TRITON:  # Triton keeps it (functools.cache): made once per process
+            try:
+                from triton.runtime.cache import triton_key
+            except ImportError:  # older Triton
+                from triton.compiler.compiler import triton_key
+            triton_key()
+    except Exception:  # noqa: BLE001 - the first use reports it
+        pass
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has none of its parent's other threads: a build one of them held the lock for never ends."""
+    global _building
+    _building = threading.Lock()
+    _ahead.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def ops_for(device: torch.device, *, prefer: str | None = None) -> KernelOps:
