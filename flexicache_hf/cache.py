@@ -76,8 +76,7 @@ class FlexiCache(CacheAccounting, Cache):
             on): a ``generate`` asked for more new tokens stops there, at the step that would not fit.  A compiled
             forward called directly, not by ``generate``, is not checked first: a step past the end stays inside the
             buffers, and the cache's next use raises ``OverflowError`` until :meth:`reset`.  Without it storage
-            grows with headroom.  A dropped sized cache's storage serves the next cache of its shape
-            (``storage_reused``; :func:`flexicache_hf.release_storage` frees it).
+            grows with headroom.  A dropped cache's storage serves the next cache of its shape (``storage_reused``).
     """
 
     def __init__(self, profile: HeadProfile | str | os.PathLike, config: FlexiCacheConfig | None = None, *,
@@ -107,13 +106,12 @@ class FlexiCache(CacheAccounting, Cache):
         self.guard = ForwardGuard(len(layers))
         self.before: dict[str, tuple] = {}  # each schedule's host mirror before the forward (undo_refused)
         key = storage_key(self)
-        if key is not None:  # dropped, its storage serves the next cache of its shape (recycling.py: same
-            # buffers, so a compiled step replays the CUDA graphs already recorded)
+        if key is not None:  # dropped, its storage serves the next cache of its shape (recycling.py: graphs replay)
             weakref.finalize(self, KEEPER.keep, key, self.layers, self.states).atexit = False
         if model_config is not None:
             self.check_model(model_config)
-        if kernels is None and torch.cuda.is_available():
-            build_ahead()  # the CUDA kernels' backend, on a thread, while the caller goes on to its prefill
+        if kernels is None and torch.cuda.is_available():  # the CUDA backend, on a thread, while the prefill nears
+            build_ahead()
 
     @property
     def observer(self) -> SelectionObserver | None:  # fixed when the cache is made (its layers were told it)
