@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from .host_memory import HostMemoryError, PinnedBlock, PinSettings, format_bytes
+from .host_memory import HostMemoryError, PinnedBlock, PinSettings, format_bytes, populate_pool
 
 
 @dataclass(eq=False)
@@ -55,7 +55,8 @@ class BlockKeeper:
 
     Args:
         settings: how blocks are pinned.
-        pin: ``pin(nbytes, align, device)`` makes a block (default: a :class:`PinnedBlock` on this keeper's threads);
+        pin: ``pin(nbytes, align, device)`` makes a block (default: a :class:`PinnedBlock`, populated on
+            the process's populating threads);
             a block has ``nbytes``, ``key``, ``lend(on_return)`` and ``free()``.
     """
 
@@ -211,13 +212,15 @@ class BlockKeeper:
         return block
 
     def _pin_block(self, nbytes: int, align: int, device: int | None) -> PinnedBlock:
-        """The default ``pin``: a :class:`PinnedBlock` populated on this keeper's threads."""
+        """The default ``pin``: a :class:`PinnedBlock` populated on the process's populating threads (the pool host
+        ranges grow on too: :func:`~flexicache_hf.host_memory.populate_pool`)."""
         s = self.settings
-        pool = self._executor("populate", s.threads) if s.threads > 1 else None
+        pool = populate_pool(s.threads) if s.threads > 1 else None
         return PinnedBlock(nbytes, align, device, s, pool)
 
     def _executor(self, name: str, workers: int) -> ThreadPoolExecutor:
-        """This keeper's thread pool ``name`` ("pin", "populate"), made on first use with ``workers`` threads."""
+        """This keeper's thread pool ``name`` ("pin": the background pins), made on first use with ``workers``
+        threads."""
         with self._lock:
             pool = self._pools.get(name)
             if pool is None:

@@ -132,15 +132,14 @@ def release(model, *, compiled: bool) -> None:
 
 
 class TritonCompiles:
-    """``with TritonCompiles() as tc``: the Triton kernels this process compiled inside the block (``tc.misses``,
-    their compile times summed in ``tc.seconds``, per kernel name in ``tc.kernels``: ``[compiles, seconds]``) and the
-    ones it loaded from Triton's cache (``tc.hits``), through
+    """``with TritonCompiles() as tc``: the Triton kernels this process compiled inside the block (per kernel name in
+    ``tc.kernels``: ``[compiles, seconds]``) and the ones it loaded from Triton's cache (``tc.hits``), through
     ``triton.knobs.compilation.listener`` (the listener before the block is called too, and put back after it).
     What a first cache's time to first token spends building kernels.  Kernels torch.compile builds in its worker
     processes are not seen; with a Triton without the listener every count stays ``None``."""
 
     def __init__(self):
-        self.misses = self.hits = self.seconds = self.kernels = None
+        self.hits = self.kernels = None
         self._knobs = self._previous = None
 
     def __enter__(self) -> "TritonCompiles":
@@ -151,7 +150,7 @@ class TritonCompiles:
         if not hasattr(getattr(knobs, "compilation", None), "listener"):
             return self
         self._knobs, self._previous = knobs, knobs.compilation.listener
-        self.misses, self.hits, self.seconds, self.kernels = 0, 0, 0.0, {}
+        self.hits, self.kernels = 0, {}
         knobs.compilation.listener = self._listen
         return self
 
@@ -159,11 +158,9 @@ class TritonCompiles:
         if cache_hit:
             self.hits += 1
         else:
-            self.misses += 1
-            seconds = times.total / 1e6  # CompileTimes are in microseconds
-            self.seconds += seconds
             entry = self.kernels.setdefault(str(getattr(src, "name", "?")), [0, 0.0])
-            entry[0], entry[1] = entry[0] + 1, round(entry[1] + seconds, 3)
+            entry[0] += 1
+            entry[1] += times.total / 1e6  # CompileTimes are in microseconds
         if self._previous is not None:
             self._previous(src=src, metadata=metadata, metadata_group=metadata_group, times=times,
                            cache_hit=cache_hit)
@@ -173,5 +170,10 @@ class TritonCompiles:
             self._knobs.compilation.listener = self._previous
 
     def record(self) -> dict:
-        return {"triton_compiles": self.misses, "triton_cache_hits": self.hits, "triton_compile_s": self.seconds,
-                "triton_kernels": self.kernels}
+        if self.kernels is None:  # no listener: nothing known
+            return {"triton_compiles": None, "triton_cache_hits": None, "triton_compile_s": None,
+                    "triton_kernels": None}
+        builds = self.kernels.values()
+        return {"triton_compiles": sum(n for n, _ in builds), "triton_cache_hits": self.hits,
+                "triton_compile_s": sum(s for _, s in builds),
+                "triton_kernels": {name: [n, round(s, 3)] for name, (n, s) in self.kernels.items()}}
