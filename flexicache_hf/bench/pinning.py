@@ -232,7 +232,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--piece-mib", type=int, default=1024, help="MiB one registration covers (pieces)")
     ap.add_argument("--blocks", type=int, default=64, help="blocks the keeper row splits the bytes into")
     ap.add_argument("--pinners", type=int, default=2, help="blocks the keeper pins at once")
-    ap.add_argument("--hugepages", choices=("system", "on", "off"), default="system")
+    ap.add_argument("--hugepages", choices=("system", "on", "off"), default="on",
+                    help="transparent huge pages: advised (on, the library's default), against (off), or the system's")
     ap.add_argument("--copy-check", action="store_true", help="H2D / D2H GB/s of each row's memory")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
