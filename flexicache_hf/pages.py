@@ -26,6 +26,14 @@ import torch
 NULL_PAGE = 0
 
 
+def index_tensor(values, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """``values`` (ints or bools) as a tensor on ``device``, without waiting for the work queued there:
+    ``torch.tensor(values, device=...)`` synchronises (a blocking copy), which in a layer's first forward made the
+    host wait for every layer before it and so idle the device while the host did that layer's setup (the page-locking
+    of its host tier among it; run 25).  From pageable memory CUDA stages the bytes and returns at once."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def num_pages(num_tokens: int, page_size: int) -> int:
     """Logical pages covering ``num_tokens`` tokens."""
     return -(-num_tokens // page_size)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .kernels import KernelOps, reference
+from .pages import index_tensor
 
 
 @dataclass(frozen=True)
@@ -79,13 +80,11 @@ class Reranker:
         self.unstable_host = tuple(unstable)
         self.num_stable = num_kv_heads - len(unstable)
         self.all_heads = torch.arange(num_kv_heads, device=device)
-        self.stable_heads = torch.tensor([h for h in range(num_kv_heads) if h not in set(unstable)],
-                                         dtype=torch.long, device=device)
-        self.unstable_heads = torch.tensor(sorted(unstable), dtype=torch.long, device=device)
+        self.stable_heads = index_tensor([h for h in range(num_kv_heads) if h not in set(unstable)], device)
+        self.unstable_heads = index_tensor(sorted(unstable), device)
         # One scoring call for every head unless both kinds exist and score differently.
         self.split_scoring = (self.stable_scoring != self.unstable_scoring and 0 < len(unstable) < num_kv_heads)
-        self.is_stable = torch.ones(num_kv_heads, dtype=torch.bool, device=device)
-        self.is_stable[list(unstable)] = False
+        self.is_stable = index_tensor([h not in set(unstable) for h in range(num_kv_heads)], device, torch.bool)
         self.recent_offsets = 1 + torch.arange(self.max_recent, device=device)  # pages after the anchor
         # Selected logical pages per head (ascending, -1 padded); rows of stable heads change only when due.
         self.selected = torch.full((batch, num_kv_heads, self.width), -1, dtype=torch.long, device=device)

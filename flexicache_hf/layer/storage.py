@@ -14,7 +14,7 @@ import torch
 
 from ..config import FlexiCacheConfig
 from ..kernels import KernelOps
-from ..pages import PagePool, PoolLayout, num_pages, room_capacity, room_pages
+from ..pages import PagePool, PoolLayout, index_tensor, num_pages, room_capacity, room_pages
 from ..reserve import Reservation, host_commit_bytes, target_pages
 from ..tiers import CopyStream, HostTier, SlotTable, copy_context, offload_page
 
@@ -32,8 +32,7 @@ class LayerStorage:
         self.batch, self.num_kv_heads, self.head_dim = B, H, D
         slot_heads = tuple(h for h in range(H) if h not in set(unstable)) if config.offload else ()
         full_heads = tuple(h for h in range(H) if h not in set(slot_heads))
-        as_index = lambda hs: torch.tensor(hs, dtype=torch.long, device=self.device)  # noqa: E731
-        self.slot_heads, self.full_heads = as_index(slot_heads), as_index(full_heads)
+        self.slot_heads, self.full_heads = index_tensor(slot_heads, self.device), index_tensor(full_heads, self.device)
         layout = PoolLayout(B, len(slot_heads), 0, len(full_heads), 0)  # sized by the first grow
         self.pool = PagePool(layout, self.full_heads, self.slot_heads, H, config.page_size, D, self.dtype, self.device)
         self.copies = CopyStream(self.device)
@@ -145,9 +144,12 @@ class LayerStorage:
         are committed (one chunk ahead, :func:`~flexicache_hf.reserve.target_pages`)."""
         ps, P = self.config.page_size, room_pages(context, self.config.page_size)
         if self.reserved is None:
-            self.copies.synchronize()
-            self.join_copies()
             old = self.pool.layout
+            # buffers to move: their copies done first (a layer laid out before its first tokens has none, and so
+            # never waits here for the device: a first forward's host then runs ahead of it)
+            if old.page_capacity or old.slots or self.host.k is not None:
+                self.copies.synchronize()
+            self.join_copies()
             slots = max(min(self.config.resident_slots, P) if self.offloads else 0, old.slots)
             res = Reservation(PoolLayout(self.batch, old.num_slot_heads, slots, old.num_full_heads, P),
                               self.num_kv_heads, ps, self.head_dim, self.dtype, self.device, context, host_ranges)

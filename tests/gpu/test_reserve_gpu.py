@@ -83,3 +83,35 @@ def test_prompt_past_the_context_is_refused(model):
     with pytest.raises(ValueError, match="context"):
         model(torch.randint(2, 500, (1, 32768), device="cuda"), past_key_values=cache)
     assert cache.device_bytes() == held and cache.get_seq_length() == 65
+
+
+def _first_prefill_syncs(layers: int) -> int:
+    """Host waits for the device (torch's sync debug mode) in the prefill of a cache's first forward, on a model of
+    ``layers`` layers: a warm-up cache first (kernels built), then a new cache of another batch (fresh storage)."""
+    import warnings
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=512, intermediate_size=1024, num_hidden_layers=layers,
+                      num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=32768,
+                      pad_token_id=0, eos_token_id=511, bos_token_id=1)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="flexicache", torch_dtype=torch.bfloat16).cuda()
+    profile = HeadProfile.random(model.config, 0.25, seed=1)
+    ids = torch.randint(2, 500, (3, 1024), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    generate(model, ids[:1], torch.ones_like(ids[:1]), FlexiCache(profile, page_size=16, token_budget=256), 1)
+    torch.cuda.synchronize()
+    cache = FlexiCache(profile, page_size=16, token_budget=256)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            generate(model, ids, torch.ones_like(ids), cache, 1)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(w.message) for w in seen)
+
+
+def test_a_first_prefill_waits_for_the_device_no_more_with_more_layers():
+    """A first forward lays each layer out (storage, selections, reserved ranges) while the layers before it are still
+    on the device: none of that waits for them (run 25: a wait per layer idled the device while the host page-locked
+    that layer's tier), so a deeper model's first prefill waits as often as a shallow one's (generate's own waits)."""
+    assert _first_prefill_syncs(6) == _first_prefill_syncs(2)
