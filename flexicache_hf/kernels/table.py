@@ -235,16 +235,20 @@ def ops_named(name: str) -> KernelOps:
         if name != TRITON:
             raise ValueError(f"no kernel backend named {name!r}")
         with _building:
-            ops = _backends.get(name) or _backend(TRITON, lambda k: cuda_twin(k.name))
+            ops = _backends.get(name) or _triton_backend()
             _backends[name] = ops
     return ops
 
 
+def _triton_backend() -> KernelOps:
+    return _backend(TRITON, lambda k: cuda_twin(k.name))
+
+
 def build_ahead(name: str = TRITON) -> threading.Thread | None:
     """Build backend ``name`` on a daemon thread, once per process, ahead of its first use: Triton and cuda-python
-    imported, the kernels' modules loaded, and Triton's process-wide cache key (a hash of its ~500 MB library, which
-    its first compile or cache lookup computes) made, so that a first cache's prefill does not make them on its own
-    thread.  Returns the thread, or ``None`` when the backend is made or being made.  What fails here is left to the
+    imported, the kernels' modules loaded, Triton's process-wide cache key (a hash of its ~500 MB library, which
+    its first compile or cache lookup computes) and its driver made, so that a first cache's prefill does not make
+    them on its own thread.  Returns the thread, or ``None`` when the backend is made or being made.  What fails here is left to the
     first use, which builds the backend again and raises (a first use meanwhile waits for this build)."""
     with _building:
         if name in _backends or name in _ahead:
@@ -257,15 +261,29 @@ def build_ahead(name: str = TRITON) -> threading.Thread | None:
 
 def _build_quietly(name: str) -> None:
     try:
-        ops_named(name)
-        if name == TRITON:  # Triton keeps it (functools.cache): made once per process
-            try:
-                from triton.runtime.cache import triton_key
-            except ImportError:  # older Triton
-                from triton.compiler.compiler import triton_key
-            triton_key()
+        with _building:  # a first use meanwhile waits here, not on a second build of the same things
+            if name == TRITON and name not in _backends:
+                ops = _triton_backend()
+                try:
+                    _warm_triton()
+                except Exception:  # noqa: BLE001 - e.g. no device: Triton's own first use reports it
+                    pass
+                _backends[name] = ops
     except Exception:  # noqa: BLE001 - the first use reports it
         pass
+
+
+def _warm_triton() -> None:
+    """What Triton makes once per process before its first compile or cache lookup: its cache key (a hash of its
+    library, kept by ``functools.cache``) and its driver (a utilities module compiled from C on a cold disk cache:
+    1.5 s of the H200's first prefill in run 25)."""
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:  # older Triton
+        from triton.compiler.compiler import triton_key
+    triton_key()
+    from triton.runtime.driver import driver
+    driver.active  # noqa: B018 - made on first access
 
 
 def _after_fork_in_child() -> None:
