@@ -13,7 +13,8 @@ from flexicache_hf.bench.generate.report import add_ratios, format_table
 from flexicache_hf.bench.generate.rows import attn_impl, check_rows, expand_rows, is_compiled, probe_key
 from flexicache_hf.bench.generate.run import prefill_in_chunks
 from flexicache_hf.bench.generate.search import search_largest
-from flexicache_hf.bench.generate.trace import gpu_busy, split_events, top_kernels, union_length
+from flexicache_hf.bench.generate.trace import (concurrent_length, gpu_busy, split_events, step_timeline,
+                                               top_kernels, union_length)
 
 
 def clock_with(stamps, t0=0.0):
@@ -261,6 +262,14 @@ def test_union_length():
     assert union_length([(20, 30), (0, 100)]) == 100
 
 
+def test_concurrent_length():
+    """Time with two or more intervals at once: touching ends do not overlap, a third stacked one counts once."""
+    assert concurrent_length([]) == 0 and concurrent_length([(0, 10)]) == 0
+    assert concurrent_length([(0, 10), (10, 20)]) == 0
+    assert concurrent_length([(0, 10), (5, 15), (20, 30), (30, 31), (40, 40)]) == 5
+    assert concurrent_length([(0, 100), (10, 20), (15, 30), (90, 100)]) == 30  # 10..30 and 90..100
+
+
 def test_gpu_busy_window_and_counts():
     ms = 1e6  # ns
     marks = [i * 10 * ms for i in range(11)]  # 11 tokens, window marks[3]..marks[10] = 7 steps of 10 ms
@@ -275,6 +284,7 @@ def test_gpu_busy_window_and_counts():
     assert r["kernels_per_step"] == pytest.approx(14 / 7) and r["memcpy_per_step"] == pytest.approx(1)
     assert r["gpu_busy_ms_per_step"] == pytest.approx(6) and r["window_ms_per_step"] == pytest.approx(10)
     assert r["graph_launches_per_step"] == pytest.approx(2 / 7)
+    assert r["concurrent_ms_per_step"] == pytest.approx(8 / 7)  # the two kernels' 1 ms a step, the prefill's 1 ms once
 
 
 def test_gpu_busy_errors():
@@ -386,6 +396,15 @@ def test_top_kernels_rank_by_time_in_window():
     assert top[0]["ms_per_step"] == pytest.approx(3) and top[1]["count_per_step"] == pytest.approx(2)
     assert top_kernels(dev, marks[:2]) == []
     assert gpu_busy(dev, marks)["kernels_per_step"] == pytest.approx(3)  # 4-tuples accepted
+
+
+def test_step_timeline_is_the_middle_step_in_start_order():
+    us = 1e3  # ns
+    marks = [i * 100 * us for i in range(8)]  # window: marks[3]..marks[7], 4 steps; the middle one starts at 500 us
+    dev = [(510 * us, 530 * us, "kernel", "b" * 50), (502 * us, 512.5 * us, "kernel", "a"), (450 * us, 460 * us,
+           "kernel", "earlier"), (600 * us, 601 * us, "kernel", "next step")]
+    assert step_timeline(dev, marks) == [[2.0, 10.5, "a"], [10.0, 20.0, "b" * 40]]
+    assert step_timeline(dev, marks[:4]) == []
 
 
 def test_split_events_with_names():

@@ -28,6 +28,18 @@ def union_length(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def concurrent_length(intervals: list[tuple[float, float]]) -> float:
+    """Total length during which two or more of the ``(start, end)`` intervals run at once (an interval ending where
+    another starts does not overlap it)."""
+    edges = sorted([(e, -1) for s, e in intervals if e > s] + [(s, 1) for s, e in intervals if e > s])
+    total, depth, last = 0.0, 0, None
+    for t, step in edges:  # at equal times ends (-1) sort before starts
+        if depth >= 2:
+            total += t - last
+        depth, last = depth + step, t
+    return total
+
+
 def gpu_busy(device_events: list[tuple[float, float, str]], marks: list[float], *, skip: int = PROFILE_SKIP,
              graph_launches: list[float] = ()) -> dict:
     """GPU busy fraction between ``marks[skip]`` and ``marks[-1]`` (one mark per generated token).
@@ -45,11 +57,12 @@ def gpu_busy(device_events: list[tuple[float, float, str]], marks: list[float], 
         raise ValueError("no CUDA kernel / memcpy events inside the decode window "
                          "(CUPTI did not record device activity?)")
     busy = union_length(clipped)
+    both = concurrent_length(clipped)  # device time with two or more operations running (e.g. loads beside compute)
     count = {k: sum(1 for s, _, kind, *_ in device_events if kind == k and w0 <= s < w1)
              for k in ("kernel", "memcpy", "memset")}
     return {"gpu_busy_fraction": busy / (w1 - w0), "kernels_per_step": count["kernel"] / steps,
             "memcpy_per_step": count["memcpy"] / steps, "memset_per_step": count["memset"] / steps,
-            "gpu_busy_ms_per_step": busy / steps / 1e6, "window_ms_per_step": (w1 - w0) / steps / 1e6,
+            "gpu_busy_ms_per_step": busy / steps / 1e6, "concurrent_ms_per_step": both / steps / 1e6, "window_ms_per_step": (w1 - w0) / steps / 1e6,
             "graph_launches_per_step": sum(1 for t in graph_launches if w0 <= t < w1) / steps,
             "profile_window_steps": steps}
 
@@ -71,6 +84,19 @@ def top_kernels(device_events: list[tuple], marks: list[float], *, skip: int = P
             t[1] += 1
     ranked = sorted(total.items(), key=lambda kv: -kv[1][0])[:n]
     return [{"name": k, "ms_per_step": v[0] / steps / 1e6, "count_per_step": v[1] / steps} for k, v in ranked]
+
+
+def step_timeline(device_events: list[tuple], marks: list[float], *, skip: int = PROFILE_SKIP) -> list[list]:
+    """One decode step of the window of :func:`gpu_busy` (its middle one) as device operations in start order:
+    ``[start µs after the step's mark, µs, name cut to 40 characters]`` from ``(start, end, kind, name)`` events (ns),
+    so what ran beside what (a load stream's copies beside the compute, or not) can be read off one step."""
+    marks = sorted(marks)
+    if len(marks) < skip + 2:
+        return []
+    i = skip + (len(marks) - 1 - skip) // 2
+    t0, t1 = marks[i], marks[i + 1]
+    ops = sorted((s, e, name) for s, e, _, name in device_events if t0 <= s < t1)
+    return [[round((s - t0) / 1e3, 1), round((e - s) / 1e3, 1), name[:40]] for s, e, name in ops]
 
 
 def device_kind(name: str, activity: str | None) -> str | None:
