@@ -401,15 +401,17 @@ def test_top_kernels_rank_by_time_in_window():
 def test_step_timeline_is_the_middle_step_in_start_order():
     us = 1e3  # ns
     marks = [i * 100 * us for i in range(8)]  # window: marks[3]..marks[7], 4 steps; the middle one starts at 500 us
-    dev = [(510 * us, 530 * us, "kernel", "b" * 50), (502 * us, 512.5 * us, "kernel", "a"), (450 * us, 460 * us,
-           "kernel", "earlier"), (600 * us, 601 * us, "kernel", "next step")]
-    assert step_timeline(dev, marks) == [[2.0, 10.5, "a"], [10.0, 20.0, "b" * 40]]
+    dev = [(510 * us, 530 * us, "kernel", "b" * 50, 7), (502 * us, 512.5 * us, "kernel", "a"), (450 * us, 460 * us,
+           "kernel", "earlier", 7), (600 * us, 601 * us, "kernel", "next step", 7)]
+    assert step_timeline(dev, marks) == [[2.0, 10.5, -1, "a"], [10.0, 20.0, 7, "b" * 40]]
     assert step_timeline(dev, marks[:4]) == []
 
 
 def test_split_events_with_names():
     ev = [FakeKineto("gemm", "CUDA", 11, 15, "kernel")]
-    assert split_events(ev, names=True)[0] == [(11, 15, "kernel", "gemm")]
+    assert split_events(ev, names=True)[0] == [(11, 15, "kernel", "gemm", -1)]  # no stream id known
+    ev[0].device_resource_id = lambda: 7
+    assert split_events(ev, names=True)[0] == [(11, 15, "kernel", "gemm", 7)]
 
 
 # ---- the static-sdpa_grouped row's attention: exact against transformers' sdpa --------------------------------

@@ -77,7 +77,7 @@ def top_kernels(device_events: list[tuple], marks: list[float], *, skip: int = P
     w0, w1 = marks[skip], marks[-1]
     steps = len(marks) - 1 - skip
     total: dict[str, list[float]] = {}
-    for s, e, _, name in device_events:
+    for s, e, _, name, *_ in device_events:
         if w0 <= s < w1:
             t = total.setdefault(name[:80], [0.0, 0])
             t[0] += e - s
@@ -88,15 +88,16 @@ def top_kernels(device_events: list[tuple], marks: list[float], *, skip: int = P
 
 def step_timeline(device_events: list[tuple], marks: list[float], *, skip: int = PROFILE_SKIP) -> list[list]:
     """One decode step of the window of :func:`gpu_busy` (its middle one) as device operations in start order:
-    ``[start µs after the step's mark, µs, name cut to 40 characters]`` from ``(start, end, kind, name)`` events (ns),
-    so what ran beside what (a load stream's copies beside the compute, or not) can be read off one step."""
+    ``[start µs after the step's mark, µs, stream, name cut to 40 characters]`` from ``(start, end, kind, name[,
+    stream])`` events (ns), so what ran beside what (a load stream's copies beside the compute, or not) can be read
+    off one step."""
     marks = sorted(marks)
     if len(marks) < skip + 2:
         return []
     i = skip + (len(marks) - 1 - skip) // 2
     t0, t1 = marks[i], marks[i + 1]
-    ops = sorted((s, e, name) for s, e, _, name in device_events if t0 <= s < t1)
-    return [[round((s - t0) / 1e3, 1), round((e - s) / 1e3, 1), name[:40]] for s, e, name in ops]
+    ops = sorted((ev[0], ev[1], ev[4] if len(ev) > 4 else -1, ev[3]) for ev in device_events if t0 <= ev[0] < t1)
+    return [[round((s - t0) / 1e3, 1), round((e - s) / 1e3, 1), stream, name[:40]] for s, e, stream, name in ops]
 
 
 def device_kind(name: str, activity: str | None) -> str | None:
@@ -114,7 +115,7 @@ def device_kind(name: str, activity: str | None) -> str | None:
 def split_events(events, *, names: bool = False) -> tuple[list[tuple], list[float], list[float]]:
     """(device events, step marks, graph launch times) in ns, from kineto events (``prof.profiler.kineto_results
     .events()``) or, failing that, ``FunctionEvent``s (``prof.events()``, times in us).  A device event is
-    ``(start, end, kind)``, with ``names`` ``(start, end, kind, name)``."""
+    ``(start, end, kind)``, with ``names`` ``(start, end, kind, name, stream)`` (the CUDA stream's id, -1 unknown)."""
     dev, marks, launches = [], [], []
     for e in events:
         if hasattr(e, "start_ns"):
@@ -122,17 +123,19 @@ def split_events(events, *, names: bool = False) -> tuple[list[tuple], list[floa
             on_device = str(e.device_type()).rsplit(".", 1)[-1] == "CUDA"
             activity = e.activity_type() if hasattr(e, "activity_type") else None
             annotation = e.is_user_annotation() if hasattr(e, "is_user_annotation") else False
+            stream = e.device_resource_id() if hasattr(e, "device_resource_id") else -1
         else:
             name, start, end = e.name, 1e3 * e.time_range.start, 1e3 * e.time_range.end
             on_device = str(e.device_type).rsplit(".", 1)[-1] == "CUDA"
             activity = getattr(e, "activity_type", None)
             annotation = bool(getattr(e, "is_user_annotation", False))
+            stream = getattr(e, "device_resource_id", -1)
         if name == MARK and not on_device:
             marks.append(start)
         elif on_device and not annotation and name != MARK:
             kind = device_kind(name, activity)
             if kind is not None:
-                dev.append((start, end, kind, name) if names else (start, end, kind))
+                dev.append((start, end, kind, name, stream) if names else (start, end, kind))
         elif not on_device and name in ("cudaGraphLaunch", "cudaGraphLaunch_v10000", "cuGraphLaunch"):
             launches.append(start)
     return dev, marks, launches
