@@ -109,3 +109,14 @@ def top_k_lowest_ids(s, k, n):
     pages = torch.where(s.gather(-1, order) > float("-inf"), order, n).sort(-1).values
     pages = torch.where(pages == n, -1, pages)
     return torch.cat([pages, pages.new_full((*pages.shape[:2], k - pages.shape[-1]), -1)], -1)
+
+
+def live_part(x: torch.Tensor, num_pages, active: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [B, h, ..., P]`` (a per-page output of ``page_scores``, ``page_lse`` or ``group_mass``) with what a backend
+    may leave unwritten (the live part, ``flexicache_hf.kernels.reference``: pages at or past ``num_pages``, the rows
+    of heads not ``active``) set to -inf, as the reference stores it."""
+    n = int(num_pages.reshape(-1)[0]) if isinstance(num_pages, torch.Tensor) else num_pages
+    keep = torch.arange(x.shape[-1], device=x.device) < n
+    if active is not None:
+        keep = keep & active.to(x.device).view(1, -1, *[1] * (x.dim() - 2))
+    return torch.where(keep, x, float("-inf"))

@@ -9,8 +9,10 @@ PyTorch ops over ``[B, h, G, P]`` (max, exp, sums, a division, the finiteness te
 * pass 1 keeps an online maximum and sum of exponentials per query head over the page blocks that exist (the
   loop bound is ``num_pages``, read on the device, not the row's capacity); pass 2 re-reads those blocks and
   stores ``sum_g exp(scale * s_g - max_g) / sum_g``, ``-inf`` where no query head has a finite score;
-* the row past ``num_pages`` is stored ``-inf`` without a read, and an inactive row (a stable head between its
-  re-ranks, launched anyway inside a captured step) stores ``-inf`` over its whole width and reads nothing else.
+* the row past ``num_pages`` and an inactive row (a stable head between its re-ranks, launched anyway inside a
+  captured step) are neither read nor written: what the reference stores there (``-inf``) no caller reads (the
+  select reads the live pages of the active rows), and storing it cost a write of every reserved row's whole width
+  each step (an unsized cache's rows are reserved for the model's context: 8x the live pages at 16k of 128k).
 """
 
 from __future__ import annotations
@@ -69,10 +71,6 @@ def _group_mass_kernel(
         mass = tl.sum(tl.exp(x * scale - ref) / total, axis=0)
         scored = tl.max((x > float("-inf")).to(tl.int32), axis=0) != 0
         tl.store(out_row + pp, tl.where(scored, mass, float("-inf")), mask=pp < width)
-    # Past the pages that exist (all of an inactive row): -inf, nothing read.
-    none = tl.full([BLOCK_P], float("-inf"), tl.float32)
-    for p0 in range(tl.cdiv(n, BLOCK_P) * BLOCK_P, width, BLOCK_P):
-        tl.store(out_row + p0 + p, none, mask=p0 + p < width)
 
 
 def group_mass(
@@ -84,9 +82,10 @@ def group_mass(
     block_p: int | None = None,  # pages per tile (benchmarks sweep it); None: TILE_ELEMENTS // G_PAD
     num_warps: int = 4,
 ) -> torch.Tensor:  # [B, h, P] float32
-    """Same contract as :func:`reference.group_mass`."""
+    """Same contract as :func:`reference.group_mass` on the live pages of the active rows (the rest is left
+    unwritten: see the module's docstring)."""
     B, h, G, width = scores.shape
-    out = torch.empty((B, h, width), dtype=torch.float32, device=scores.device)  # the kernel writes every entry
+    out = torch.empty((B, h, width), dtype=torch.float32, device=scores.device)  # live entries of active rows written
     if B * h == 0 or width == 0:
         return out
     if not isinstance(num_pages, torch.Tensor):

@@ -9,8 +9,9 @@
   PAGE_SIZE]`` and reduced over the last axis (``max + log(sum(exp(x - max)))``); a page with no valid token
   gives ``-inf``, not NaN.  Every page is a whole tile row, so no cross-program combine is needed.
 * Pages ``>= num_pages`` (read on the device: graph replays see the current count) are never dereferenced,
-  and tokens outside ``[valid_lo[b], seq_len)`` are masked, not loaded; their outputs are ``-inf``.  A block
-  wholly past ``num_pages`` (a sized cache's spare capacity) stores ``-inf`` and computes nothing.
+  and tokens outside ``[valid_lo[b], seq_len)`` are masked, not loaded; their outputs are ``-inf``.  Blocks
+  wholly past ``num_pages`` (spare or reserved capacity) are not visited: the row past the live blocks is left
+  unwritten (the live part, :mod:`.reference`).
 * With ``candidates [B, h, C]`` (logical pages, -1 padded) the blocks cover ``C`` instead of the row: a block
   ``u`` scores candidates ``[u * PAGES_PER_BLOCK, ...)`` of its row and head, gathered through the table
   as the contiguous pages are, and stores each page's log-sum-exp at that page's column; every other column is
@@ -57,8 +58,8 @@ def _page_lse_kernel(
     bj = tl.program_id(1).to(tl.int64)
     num_pages = tl.load(num_pages_ptr)
     g = tl.arange(0, G_PAD)
-    # A capped grid: program t takes blocks t, t + n, ... of its list (the candidates) or row (every page).
-    n_blocks = tl.cdiv(n_cand if CANDIDATES else width, PAGES_PER_BLOCK)
+    # A capped grid: program t takes blocks t, t + n, ... of its list (the candidates) or of its row's live pages.
+    n_blocks = tl.cdiv(n_cand if CANDIDATES else tl.minimum(num_pages, width), PAGES_PER_BLOCK)
     for t in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
         slot = t * PAGES_PER_BLOCK + tl.arange(0, PAGES_PER_BLOCK)
         if CANDIDATES:
@@ -74,15 +75,10 @@ def _page_lse_kernel(
             p = slot
             out_mask = (g < GROUP)[:, None] & (p < width)[None, :]
             out_off = (bj * GROUP + g)[:, None] * width + p[None, :]
-            if t * PAGES_PER_BLOCK >= num_pages:
-                # A block past the pages that exist (spare or reserved capacity): -inf, nothing read.
-                tl.store(out_ptr + out_off, tl.full([G_PAD, PAGES_PER_BLOCK], float("-inf"), tl.float32),
-                         mask=out_mask)
-            else:
-                lse = _block_lse(q_ptr, k_ptr, table_ptr, heads_ptr, valid_lo_ptr, seq_len_ptr, scale, num_pages,
-                                 bj, n_sel, p, s_qb, s_qh, s_qd, s_kn, s_kt, s_kd, s_tb, s_th, s_tp,
-                                 GROUP, G_PAD, D, BLOCK_D, PAGE_SIZE, BLOCK_N, UPCAST)
-                tl.store(out_ptr + out_off, lse, mask=out_mask)
+            lse = _block_lse(q_ptr, k_ptr, table_ptr, heads_ptr, valid_lo_ptr, seq_len_ptr, scale, num_pages,
+                             bj, n_sel, p, s_qb, s_qh, s_qd, s_kn, s_kt, s_kd, s_tb, s_th, s_tp,
+                             GROUP, G_PAD, D, BLOCK_D, PAGE_SIZE, BLOCK_N, UPCAST)
+            tl.store(out_ptr + out_off, lse, mask=out_mask)
 
 
 @triton.jit
@@ -140,7 +136,7 @@ def page_lse(
     block_n: int | None = None,  # tokens per program (a multiple of page_size); None: max(page_size, 64)
     num_warps: int = 4,
 ) -> torch.Tensor:  # [B, h, G, P_cap] float32
-    """Same contract as :func:`reference.page_lse`."""
+    """Same contract as :func:`reference.page_lse` on the live pages (the row past them is left unwritten)."""
     B, Hq, D = query.shape
     H, width = page_table.shape[1], page_table.shape[2]
     ps = k_pool.shape[1]
@@ -157,7 +153,7 @@ def page_lse(
         if n_cand == 0:
             return out
     else:
-        out = torch.empty(shape, dtype=torch.float32, device=query.device)  # the kernel writes every entry
+        out = torch.empty(shape, dtype=torch.float32, device=query.device)  # the kernel writes the live blocks
         cand, n_cand = heads, 0  # (an unused pointer)
     upcast = dot_upcast(k_pool.dtype)
     q = query if upcast or query.dtype == k_pool.dtype else query.to(k_pool.dtype)  # tl.dot: one operand dtype

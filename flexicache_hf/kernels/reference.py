@@ -12,6 +12,11 @@ They define the contract (shapes, dtypes, padding conventions) every backend imp
   physical page of logical page ``p``; physical page 0 is the *null page* (never dereferenced).
 * The MinMax cache ``kmin`` / ``kmax`` is ``[B, H, P_cap, D]`` with any strides (the cache passes views of its
   page-major ``[P_cap, B, H, D]`` storage); every backend addresses it through its strides.
+* The live part: a per-page output row given a device page count (``page_scores``, ``page_lse``, ``group_mass``)
+  is as wide as the cache's capacity, and the reference stores ``-inf`` past the count and on rows not active.
+  Every caller reads only the pages that exist of the active rows (``select_pages`` with ``num_pages`` and
+  ``active``), so a backend may leave the rest unwritten: a reserved row (an unsized cache's, as wide as the model's
+  context) then costs its live pages, not its width.
 """
 
 from __future__ import annotations
@@ -106,7 +111,8 @@ def group_mass(
     The oracle's objective is the group's summed attention mass per page; a softmax per query head puts every
     head on the same footing (each contributes a distribution summing to 1), where the raw maximum lets the head
     with the largest query norm decide the ranking for the whole group.  A page no query head of the group can
-    score, a page at or past ``num_pages`` and every page of an inactive row is -inf.
+    score, a page at or past ``num_pages`` and every page of an inactive row is -inf (here; a backend may leave
+    those last two unwritten: the live part, see the module's docstring).
     """
     if num_pages is not None:  # pages past the count take no part (masked, not sliced: no host sync)
         p = torch.arange(scores.shape[-1], device=scores.device)

@@ -5,10 +5,10 @@ Per page ``p`` and query head ``g`` the bound is ``sum_i max(q_i * kmin_i, q_i *
 of the two products is ``q * x`` and the other ``±0``), which turns the bound into two multiply-adds per
 channel with no select.  One program loads a ``[BLOCK_P, D]`` tile of kmin and kmax once and evaluates every
 query head of the KV head's group against it, keeping the maximum: the MinMax cache is read exactly once per
-scored head, which is the whole cost of this memory-bound step.  A program whose block of pages lies past
-``num_pages`` (a device scalar: rows reserved for the whole context hold mostly such blocks) stores ``-inf`` and
-reads nothing; the grid is capped (``_util.strided_grid``) and each program strides over the row's blocks, so such
-blocks cost a loop turn, not a program each.
+scored head, which is the whole cost of this memory-bound step.  Only the blocks of pages before ``num_pages`` (a
+device scalar) of an active head are visited: a row reserved for the whole context, mostly blocks past it, and the
+row of a head not scored now are left unwritten (the live part, :mod:`.reference`); the grid is capped
+(``_util.strided_grid``) and each program strides over its row's live blocks.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ def _page_scores_kernel(
     kmin_ptr,  # [B, H, P_cap, D]
     kmax_ptr,  # [B, H, P_cap, D] (same strides as kmin)
     heads_ptr,  # [h] int64 KV heads to score
-    active_ptr,  # [h] bool: score this head now (False: nothing is read; a group maximum's row is all -inf)
+    active_ptr,  # [h] bool: score this head now (False: nothing is read or written)
     num_pages_ptr,  # [1] int64 pages that exist (read on the device: graph replays see the current count)
     out_ptr,  # [B, h, width] float32, contiguous
-    width,  # pages per output row (>= num_pages; -inf past num_pages)
+    width,  # pages per output row (>= num_pages; unwritten past num_pages)
     n_sel,  # h
     near, far,  # SHRUNK: reference.narrowing's weights of the narrowed box's ends
     s_qb, s_qh, s_qd,
@@ -46,21 +46,15 @@ def _page_scores_kernel(
     bj = tl.program_id(1).to(tl.int64)
     b = bj // n_sel
     j = bj % n_sel
-    active = tl.load(active_ptr + j).to(tl.int32)
-    num_pages = tl.load(num_pages_ptr)
-    # A capped grid: program t takes blocks t, t + n, ... of the row (rows reserved for a whole context hold mostly
-    # blocks past num_pages, which cost a loop turn here instead of a program each).
-    for pid_p in range(tl.program_id(0), tl.cdiv(width, BLOCK_P), tl.num_programs(0)):
+    on = tl.load(active_ptr + j).to(tl.int32) != 0
+    # The live pages of an active head (none of a head not scored now: a stable head between its re-ranks, in a
+    # compiled step that launches every head; its count is not even read).
+    live = tl.minimum(tl.load(num_pages_ptr, mask=on, other=0), width)
+    # A capped grid: program t takes blocks t, t + n, ... of the row's live pages.
+    for pid_p in range(tl.program_id(0), tl.cdiv(live, BLOCK_P), tl.num_programs(0)):
         p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)  # [BLOCK_P] logical pages
-        if (active == 0) | (pid_p * BLOCK_P >= num_pages):
-            # A head not scored now (a stable head between its re-ranks, in a compiled step that launches every
-            # head), or a block past the pages that exist: -inf and nothing else read.  The per-query-head bounds
-            # ("mass") are left unwritten: group_mass reads nothing of an inactive row or past the page count.
-            if GROUP_MAX:
-                tl.store(out_ptr + bj * width + p, tl.full([BLOCK_P], float("-inf"), tl.float32), mask=p < width)
-        else:
-            _score_tile(q_ptr, kmin_ptr, kmax_ptr, heads_ptr, num_pages_ptr, out_ptr, p, b, j, bj, width, near, far,
-                        s_qb, s_qh, s_qd, s_mb, s_mh, s_mp, s_md, GROUP, GROUP_MAX, SHRUNK, D, BLOCK_D, BLOCK_P)
+        _score_tile(q_ptr, kmin_ptr, kmax_ptr, heads_ptr, num_pages_ptr, out_ptr, p, b, j, bj, width, near, far,
+                    s_qb, s_qh, s_qd, s_mb, s_mh, s_mp, s_md, GROUP, GROUP_MAX, SHRUNK, D, BLOCK_D, BLOCK_P)
 
 
 @triton.jit
@@ -120,7 +114,8 @@ def page_scores(
     block_p: int | None = None,  # pages per program (benchmarks sweep it); None = 64 (32 for D > 128)
     num_warps: int | None = None,  # None = 8 for D >= 128, else 4
 ) -> torch.Tensor:  # [B, h, num_pages or P_cap] float32
-    """Same contract as :func:`reference.page_scores`; ``combine="mass"`` stores every query head's bound and
+    """Same contract as :func:`reference.page_scores` on the live pages of the active heads (the rest of a row
+    as wide as the capacity is left unwritten); ``combine="mass"`` stores every query head's bound and
     combines them with :func:`.mass.group_mass` (the Triton twin of the reference's ``group_mass``: one more
     launch, which reads only the pages that exist of the active heads)."""
     reference.check_combine(combine)
