@@ -234,41 +234,45 @@ def ops_named(name: str) -> KernelOps:
     if ops is None:
         if name != TRITON:
             raise ValueError(f"no kernel backend named {name!r}")
-        with _building:
-            ops = _backends.get(name) or _triton_backend()
-            _backends[name] = ops
+        ops = _make_triton(warm=False)
     return ops
 
 
-def _triton_backend() -> KernelOps:
-    return _backend(TRITON, lambda k: cuda_twin(k.name))
+def _make_triton(*, warm: bool) -> KernelOps:
+    """The Triton backend, made once under the build lock (a first use meanwhile waits here, not on a second build
+    of the same things); ``warm``: Triton's per-process setup too (:func:`_warm_triton`; what fails there is left to
+    Triton's own first use)."""
+    with _building:
+        ops = _backends.get(TRITON)
+        if ops is None:
+            ops = _backend(TRITON, lambda k: cuda_twin(k.name))
+            if warm:
+                try:
+                    _warm_triton()
+                except Exception:  # noqa: BLE001 - e.g. no device: Triton's own first use reports it
+                    pass
+            _backends[TRITON] = ops
+        return ops
 
 
 def build_ahead(name: str = TRITON) -> threading.Thread | None:
     """Build backend ``name`` on a daemon thread, once per process, ahead of its first use: Triton and cuda-python
     imported, the kernels' modules loaded, Triton's process-wide cache key (a hash of its ~500 MB library, which
     its first compile or cache lookup computes) and its driver made, so that a first cache's prefill does not make
-    them on its own thread.  Returns the thread, or ``None`` when the backend is made or being made.  What fails here is left to the
-    first use, which builds the backend again and raises (a first use meanwhile waits for this build)."""
+    them on its own thread.  Returns the thread, or ``None`` when the backend is made or being made (or is not
+    one built on first use).  What fails here is left to the first use, which builds the backend again and raises
+    (a first use meanwhile waits for this build)."""
     with _building:
-        if name in _backends or name in _ahead:
+        if name != TRITON or name in _backends or name in _ahead:
             return None
-        thread = _ahead[name] = threading.Thread(target=_build_quietly, args=(name,), daemon=True,
-                                                 name=f"flexicache-build-{name}")
+        thread = _ahead[name] = threading.Thread(target=_build_quietly, daemon=True, name=f"flexicache-build-{name}")
     thread.start()
     return thread
 
 
-def _build_quietly(name: str) -> None:
+def _build_quietly() -> None:
     try:
-        with _building:  # a first use meanwhile waits here, not on a second build of the same things
-            if name == TRITON and name not in _backends:
-                ops = _triton_backend()
-                try:
-                    _warm_triton()
-                except Exception:  # noqa: BLE001 - e.g. no device: Triton's own first use reports it
-                    pass
-                _backends[name] = ops
+        _make_triton(warm=True)
     except Exception:  # noqa: BLE001 - the first use reports it
         pass
 
