@@ -153,7 +153,8 @@ def test_cli_flags_and_defaults():
         "static_variants": "sdpa", "static_prefill_chunk": 0, "prefill_chunk": 0, "new_tokens": 256, "prompt_lookup": 0,
         "offloaded_tokens": 16, "budget": None, "rerank_interval": None, "stagger_reranks": None, "group_score": None,
         "page_size": None, "bound_shrink": None,
-        "unstable_group_score": None, "exact_candidates": None, "unstable_fraction": None, "prefill_profile": False, "profile_steps": 0, "largest_batch": None,
+        "unstable_group_score": None, "exact_candidates": None, "unstable_fraction": None, "prefill_profile": False,
+        "profile_steps": 0, "largest_batch": None,
         "probe_tokens": 16, "probe_start": 16, "probe_step": 8, "max_probes": 8, "probe_compiled": False,
         "host_limit_gb": None, "followup": False, "followup_tokens": 512, "followup_repeats": 5,
         "out": Path(__file__).resolve().parents[1] / "docs" / "benchmarks", "tag": None}

@@ -62,7 +62,8 @@ def gpu_busy(device_events: list[tuple[float, float, str]], marks: list[float], 
              for k in ("kernel", "memcpy", "memset")}
     return {"gpu_busy_fraction": busy / (w1 - w0), "kernels_per_step": count["kernel"] / steps,
             "memcpy_per_step": count["memcpy"] / steps, "memset_per_step": count["memset"] / steps,
-            "gpu_busy_ms_per_step": busy / steps / 1e6, "concurrent_ms_per_step": both / steps / 1e6, "window_ms_per_step": (w1 - w0) / steps / 1e6,
+            "gpu_busy_ms_per_step": busy / steps / 1e6, "concurrent_ms_per_step": both / steps / 1e6,
+            "window_ms_per_step": (w1 - w0) / steps / 1e6,
             "graph_launches_per_step": sum(1 for t in graph_launches if w0 <= t < w1) / steps,
             "profile_window_steps": steps}
 
