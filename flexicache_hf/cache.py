@@ -260,7 +260,7 @@ class FlexiCache(CacheAccounting, Cache):
 
     def decode_state(self, device: torch.device) -> DecodeState:
         """The step schedule all layers on ``device`` share (made for the first layer to allocate there)."""
-        return state_for_device(self.states, device, self.config, len(self.layers), self.max_tokens)
+        return state_for_device(self.states, device, self.config, len(self.layers), self.max_tokens, self.kernels)
 
     def sync(self) -> None:
         """Bring every layer's host-side length up to date after captured decode steps (one synchronisation;

@@ -120,3 +120,36 @@ def live_part(x: torch.Tensor, num_pages, active: torch.Tensor | None = None) ->
     if active is not None:
         keep = keep & active.to(x.device).view(1, -1, *[1] * (x.dim() - 2))
     return torch.where(keep, x, float("-inf"))
+
+
+def schedule_steps_agree(plan_step, begin_layer, device, capacity: int, overlap: bool, steps: int = 14) -> None:
+    """``plan_step`` and ``begin_layer`` (a backend's) against the reference, from the same state, over ``steps``
+    decode steps of three layers: every scalar equal after every step, in a run that starts pages, fills them,
+    re-ranks on each layer's phase (step 0 with ``rerank_all``) and, with a ``capacity``, clamps the position and
+    raises ``overflow`` past it (each of these seen at least once)."""
+    from flexicache_hf.kernels import reference_schedule as RS
+
+    def state():
+        long = lambda v=0: torch.tensor([v], dtype=torch.long, device=device)  # noqa: E731
+        flag = lambda v=False: torch.tensor([v], device=device)  # noqa: E731
+        step = dict(length=long(5), step=long(0), current=long(), pos=long(), page=long(), offset=long(),
+                    num_pages=long(), new_page=flag(), page_full=flag(), overflow=flag())
+        return step, [dict(due=flag(), anchor=long(-1), late=flag(), since=long(7)) for _ in range(3)]
+
+    mine, theirs = state(), state()
+    origin, rerank_all = torch.tensor([2], device=device), torch.tensor([True], device=device)
+    phases = [torch.tensor([p], device=device) for p in (0, 1, 3)]
+    seen = set()
+    for _ in range(steps):
+        for (step, layers), plan, begin in ((mine, plan_step, begin_layer), (theirs, RS.plan_step, RS.begin_layer)):
+            plan(*step.values(), origin, 4, capacity)
+            for layer, phase in zip(layers, phases):
+                begin(*layer.values(), step["current"], phase, rerank_all, step["page"], 4, overlap)
+        for a, b in ((mine[0], theirs[0]), *zip(mine[1], theirs[1])):
+            for name in a:
+                assert torch.equal(a[name], b[name]), name
+        seen |= {k for k in ("new_page", "page_full", "overflow") if bool(theirs[0][k])}
+        seen |= {k for layer in theirs[1] for k in ("due", "late") if bool(layer[k])}
+    want = {"new_page", "page_full", "due"} | ({"late"} if overlap else set())
+    want |= {"overflow"} if capacity > 0 else set()
+    assert seen >= want, seen

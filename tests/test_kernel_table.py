@@ -32,6 +32,11 @@ SCHEMAS = {
                     "Tensor slot_heads, SymInt num_heads, SymInt null_page, Tensor? when) -> (Tensor, Tensor)",
     "place_page": "(Tensor(a0!) slot_page, Tensor slot_phys, Tensor(a2!) table_buffer, Tensor slot_heads, "
                   "SymInt num_heads, Tensor page, Tensor(a6!) tail, Tensor? when) -> ()",
+    "plan_step": "(Tensor(a0!) length, Tensor(a1!) step, Tensor(a2!) current, Tensor(a3!) pos, Tensor(a4!) page, "
+                 "Tensor(a5!) offset, Tensor(a6!) num_pages, Tensor(a7!) new_page, Tensor(a8!) page_full, "
+                 "Tensor(a9!) overflow, Tensor origin, int page_size, int capacity) -> ()",
+    "begin_layer": "(Tensor(a0!) due, Tensor(a1!) anchor, Tensor(a2!) late, Tensor(a3!) since, Tensor current, "
+                   "Tensor phase, Tensor rerank_all, Tensor page, int interval, bool overlap) -> ()",
 }
 
 
@@ -39,7 +44,7 @@ def test_each_row_is_a_field_of_every_backend_and_its_op_keeps_its_schema():
     names = [k.name for k in KERNELS]
     assert names == ["minmax_update", "append_token", "page_scores", "page_lse", "group_mass", "select_pages",
                      "sparse_decode", "copy_pages", "copy_kv_pages", "load_pages_behind", "join_loads", "copy_rows",
-                     "reseat_slots", "place_page"]
+                     "reseat_slots", "place_page", "plan_step", "begin_layer"]
     assert [f.name for f in KernelOps.__dataclass_fields__.values()] == ["name", *names]
     assert set(OPS) == set(SCHEMAS)
     for name, schema in SCHEMAS.items():
@@ -67,7 +72,8 @@ def test_the_cpu_path_imports_no_cuda_twin():
     code = ("import sys, flexicache_hf, flexicache_hf.kernels as k; k.ops_for('cpu'); "
             "print(sorted(m for m in sys.modules if m.startswith('flexicache_hf.kernels.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert eval(out) == ["flexicache_hf.kernels.reference", "flexicache_hf.kernels.table"]
+    assert eval(out) == ["flexicache_hf.kernels.reference", "flexicache_hf.kernels.reference_schedule",
+                         "flexicache_hf.kernels.table"]
 
 
 def test_the_cuda_backend_is_built_ahead_once_and_a_forked_child_can_build_it():

@@ -18,7 +18,7 @@ import time
 
 import pytest
 import torch
-from conftest import live_part, top_k_lowest_ids
+from conftest import live_part, schedule_steps_agree, top_k_lowest_ids
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -788,3 +788,10 @@ else:
         got = [R.exact_page_mass(*args, 0.25, active, lse=ops.page_lse, mass=ops.group_mass)
                for ops in (TRITON_OPS, REFERENCE_OPS)]
         assert_mass_equal(live_part(got[0], n, active), got[1])
+
+    @pytest.mark.parametrize("capacity", [-1, 11])
+    @pytest.mark.parametrize("overlap", [False, True])
+    def test_schedule_kernels_match_reference_step_by_step(capacity, overlap):
+        from flexicache_hf.kernels.schedule import begin_layer, plan_step
+
+        schedule_steps_agree(plan_step, begin_layer, "cpu", capacity, overlap)

@@ -36,7 +36,7 @@ from typing import Any, Callable
 import torch
 from torch.library import custom_op
 
-from . import reference
+from . import reference, reference_schedule
 
 REFERENCE, TRITON = "reference", "triton"  # the backends' names (KernelOps.name: pickles carry it)
 
@@ -127,6 +127,15 @@ KERNELS = (
     Kernel("place_page", reference.place_page, "slots",
            "(Tensor(a0!) slot_page, Tensor slot_phys, Tensor(a2!) table_buffer, Tensor slot_heads, "
            "SymInt num_heads, Tensor page, Tensor(a6!) tail, Tensor? when) -> ()"),
+    # The decode schedule's scalars (reference_schedule.py says why these are ops): the step's plan, once per step,
+    # and each layer's re-rank flag and anchor.
+    Kernel("plan_step", reference_schedule.plan_step, "schedule",
+           "(Tensor(a0!) length, Tensor(a1!) step, Tensor(a2!) current, Tensor(a3!) pos, Tensor(a4!) page, "
+           "Tensor(a5!) offset, Tensor(a6!) num_pages, Tensor(a7!) new_page, Tensor(a8!) page_full, "
+           "Tensor(a9!) overflow, Tensor origin, int page_size, int capacity) -> ()"),
+    Kernel("begin_layer", reference_schedule.begin_layer, "schedule",
+           "(Tensor(a0!) due, Tensor(a1!) anchor, Tensor(a2!) late, Tensor(a3!) since, Tensor current, "
+           "Tensor phase, Tensor rerank_all, Tensor page, int interval, bool overlap) -> ()"),
 )
 TABLE = {k.name: k for k in KERNELS}
 

@@ -2,15 +2,17 @@
 
 Every layer of a decode step appends its token at the same position, starts a new page or fills one at the same
 moment, and re-ranks its stable heads on the same steps; so the schedule is worked out once, at layer 0, and every
-layer reads it.  It lives in **device scalars**, advanced by tensor operations (:meth:`DecodeState.advance`), so
-that a captured CUDA graph of the whole forward advances it on every replay; kernels read the counts through
-pointers.  The host keeps a mirror (:class:`StepPlan`) of the same integers while it drives the steps itself
-(eager decode, prompt chunks), which lets the eager path skip work the schedule rules out (no re-rank due: no
-reseat).  Decode steps replayed from a graph leave the mirror behind; it is re-read from the device (one
-synchronisation) the next time the host needs it, never inside a step.  Before a step it will not drive itself the
-host is told of it (:meth:`DecodeState.announce`) and counts it as run, which bounds the length from above without
-reading the device (:meth:`DecodeState.surely_fits`): the cache synchronises only when that bound says the next
-token might not fit its capacity.
+layer reads it.  It lives in **device scalars**, advanced by two kernels of the kernel table (``plan_step`` in
+:meth:`DecodeState.advance`, ``begin_layer`` for each layer's part), so that a captured CUDA graph of the whole
+forward advances it on every replay; kernels read the counts through pointers.  As kernels rather than traced tensor
+code they are also written once per step: traced, their arithmetic was inlined into every reader
+(:mod:`~flexicache_hf.kernels.reference_schedule` says what that cost a compile).  The host keeps a mirror
+(:class:`StepPlan`) of the same integers while it drives the steps itself (eager decode, prompt chunks), which lets
+the eager path skip work the schedule rules out (no re-rank due: no reseat).  Decode steps replayed from a graph
+leave the mirror behind; it is re-read from the device (one synchronisation) the next time the host needs it, never
+inside a step.  Before a step it will not drive itself the host is told of it (:meth:`DecodeState.announce`) and
+counts it as run, which bounds the length from above without reading the device (:meth:`DecodeState.surely_fits`):
+the cache synchronises only when that bound says the next token might not fit its capacity.
 
 Positions here are **storage positions**: a token at model position ``t`` is stored at ``origin + t``, where
 ``origin = -T mod page_size`` for the first prompt chunk's ``T`` tokens, so that chunk ends on a page boundary.
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels import KernelOps, ops_for
 from ..load_stream import join_load_stream
 
 
@@ -85,8 +88,10 @@ class DecodeState:
     """
 
     def __init__(self, device: torch.device, page_size: int, rerank_interval: int, capacity: int | None,
-                 phases: tuple[int, ...] = (0,), counts_steps: bool = True, overlap: bool = False):
+                 phases: tuple[int, ...] = (0,), counts_steps: bool = True, overlap: bool = False,
+                 ops: KernelOps | None = None):
         self.device, self.page_size, self.interval = torch.device(device), page_size, rerank_interval
+        self.ops = ops_for(self.device) if ops is None else ops  # plan_step / begin_layer (kernels.schedule)
         self.phases_host = tuple(phases)  # per layer: its stable re-rank step mod R (all 0: the paper's schedule)
         self.counts_steps = counts_steps  # of a cache's per-device schedules, one counts its decode steps
         self.capacity = capacity  # tokens the buffers hold (None: they grow, so no graph is captured)
@@ -99,8 +104,9 @@ class DecodeState:
         self.due = [flag() for _ in self.phases_host]
         self.anchor = [long() for _ in self.phases_host]
         self.overlap = overlap
-        self.late = [flag() for _ in self.phases_host] if overlap else []
-        self.since = [long() for _ in self.phases_host] if overlap else []
+        # begin_layer's kernel takes both lists whether or not it writes them (only with overlap)
+        self.late = [flag() for _ in self.phases_host]
+        self.since = [long() for _ in self.phases_host]
         self.load_token = long()
         self.host_length = 0  # the host's mirror of `length` and `step` (valid unless `stale`)
         self.host_origin = 0  # the host's mirror of `origin` (set by the first chunk, never by a step)
@@ -141,38 +147,18 @@ class DecodeState:
 
     # ---- the step ---------------------------------------------------------------------------------------
     def advance(self) -> None:
-        """Plan the next decode token (tensor operations only: runs inside a captured graph)."""
-        ps = self.page_size
-        end = None if self.capacity is None else self.origin + self.capacity  # positions the buffers hold
-        pos = self.length if end is None else torch.minimum(self.length, end - 1)
-        if end is not None:
-            self.overflow.logical_or_(self.length >= end)
-        self.pos.copy_(pos)
-        self.page.copy_(torch.div(pos, ps, rounding_mode="floor"))
-        self.offset.copy_(pos - self.page * ps)
-        self.num_pages.copy_(self.page + 1)
-        self.new_page.copy_(self.offset == 0)
-        self.page_full.copy_(self.offset == ps - 1)
-        self.current.copy_(self.step)
-        self.length.copy_(pos + 1)
-        self.step.add_(1)
+        """Plan the next decode token (one kernel, ``plan_step``: runs inside a captured graph)."""
+        capacity = -1 if self.capacity is None else self.capacity  # positions the buffers hold past the origin
+        self.ops.plan_step(self.length, self.step, self.current, self.pos, self.page, self.offset, self.num_pages,
+                           self.new_page, self.page_full, self.overflow, self.origin, self.page_size, capacity)
         if self.counts_steps:
             self.counters.add("decode_steps", 1)
 
     def begin_layer(self, layer: int) -> None:
         """``layer``'s part of the step :meth:`advance` planned: whether its stable heads re-rank now, and their
-        anchor (tensor operations on that layer's own scalars; runs inside a captured graph)."""
-        due, cur = self.due[layer], self.current
-        on_phase = (torch.remainder(cur - self.phases[layer], self.interval) == 0) & (cur > 0)
-        if not self.overlap:
-            due.copy_(on_phase | ((cur == 0) & self.rerank_all))
-            self.anchor[layer].copy_(torch.where(due, self.page, self.anchor[layer]))
-            return
-        late = self.late[layer]
-        self.since[layer].copy_(self.anchor[layer])
-        due.copy_((cur == 0) & self.rerank_all)
-        late.copy_(on_phase)
-        self.anchor[layer].copy_(torch.where(due | late, self.page, self.anchor[layer]))
+        anchor (one kernel, ``begin_layer``, on that layer's own scalars; runs inside a captured graph)."""
+        self.ops.begin_layer(self.due[layer], self.anchor[layer], self.late[layer], self.since[layer], self.current,
+                             self.phases[layer], self.rerank_all, self.page, self.interval, self.overlap)
 
     def begin_eager_step(self) -> StepPlan:
         """:meth:`advance`, plus the host's exact plan of the same step."""
@@ -328,7 +314,7 @@ class DeviceCounters:
 
 
 def state_for_device(states: dict[str, DecodeState], device: torch.device, config, num_layers: int,
-                     capacity: int | None) -> DecodeState:
+                     capacity: int | None, kernels: str | None = None) -> DecodeState:
     """The schedule in ``states`` (one per device a cache's layers live on; they hold the same values) for
     ``device``, made on first use: the first one counts the decode steps, a later one (a model split by
     ``device_map``, made during the first prompt forward) catches up with the first."""
@@ -337,7 +323,7 @@ def state_for_device(states: dict[str, DecodeState], device: torch.device, confi
         first = not states
         phases = tuple(config.rerank_phase(i) for i in range(num_layers))
         state = DecodeState(device, config.page_size, config.rerank_interval, capacity, phases, counts_steps=first,
-                            overlap=config.overlap_loads and config.offload)
+                            overlap=config.overlap_loads and config.offload, ops=ops_for(device, prefer=kernels))
         if not first:
             state.follow(next(iter(states.values())))
         states[key] = state

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import live_part, top_k_lowest_ids  # noqa: E402
+from conftest import live_part, schedule_steps_agree, top_k_lowest_ids  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -563,3 +563,11 @@ def test_fresh_cache_of_the_same_shape_reuses_pinned_blocks():
     assert reserved2 - reserved1 < host_bytes / 64, (reserved0, reserved1, reserved2, host_bytes)
     assert allocs2 - allocs1 <= 1, (allocs0, allocs1, allocs2)
     assert BLOCKS.stats()["pins"] == pins0
+
+
+@pytest.mark.parametrize("capacity", [-1, 11])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_schedule_kernels_match_reference_step_by_step(capacity, overlap):
+    from flexicache_hf.kernels.schedule import begin_layer, plan_step
+
+    schedule_steps_agree(plan_step, begin_layer, DEV, capacity, overlap)
