@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from . import emit_json
+
 PHASES = ("_compile.compile_inner", "bytecode_tracing", "create_aot_dispatcher_function", "_recursive_post_grad_passes",
           "pass.post_grad_passes.decompose_auto_functionalized", "GraphLowering.run", "GraphLowering.codegen",
           "Scheduler.__init__", "Scheduler.fused_nodes", "compile_file", "async_compile.wait")
@@ -92,10 +94,7 @@ def main(argv=None) -> dict:
     out = {"command": "python -m flexicache_hf.bench.compile_time " + " ".join(argv if argv is not None else
                                                                                  sys.argv[1:]),
            "torch": __import__("torch").__version__, "rows": rows}
-    print("JSON " + json.dumps(out))
-    if a.json is not None:
-        a.json.write_text(json.dumps(out, indent=1) + "\n")
-    return out
+    return emit_json(out, a.json)
 
 
 if __name__ == "__main__":

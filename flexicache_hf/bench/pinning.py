@@ -28,7 +28,6 @@ memory copies at DMA speed; pageable memory would be several times slower).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import time
@@ -39,6 +38,7 @@ import torch
 
 from ..block_keeper import BlockKeeper
 from ..host_memory import PAGE, PinnedBlock, PinSettings, map_anonymous, populate, register, unmap, unregister
+from . import emit_json
 from .generate.device import empty_host_cache
 
 METHODS = ("torch", "torch-register", "lazy", "register", "pieces", "keeper")
@@ -254,10 +254,7 @@ def main(argv=None) -> dict:
            "rows": rows}
     print()
     print(table(rows))
-    print("JSON " + json.dumps(out))
-    if a.json is not None:
-        a.json.write_text(json.dumps(out, indent=1) + "\n")
-    return out
+    return emit_json(out, a.json)
 
 
 if __name__ == "__main__":
