@@ -121,24 +121,30 @@ class Reranker:
 
     def rerank(self, ops: KernelOps, query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                num_pages: torch.Tensor, due: torch.Tensor, scale: float | None = None,
-               keys: tuple | None = None) -> torch.Tensor:
+               keys: tuple | None = None, with_scores: bool = True) -> torch.Tensor | None:
         """Score the heads due now (unstable heads always; stable ones where ``due``) by their rule and
-        store their top-K in ``selected``; returns the scores ``[B, H, P_cap]`` (-inf past ``num_pages`` and
-        on heads not due); ``scale`` is the attention's softmax scale (``group_score="mass"``, ``"exact"``).
-        ``keys``: the layer's ``(k_pool, page_table, valid_lo, seq_len)``, which heads ranked ``"exact"`` score
-        with."""
+        store their top-K in ``selected``; returns the scores ``[B, H, P_cap]`` (the live part: the pages up to
+        ``num_pages`` of the heads due; ``None`` without ``with_scores`` where each kind of head has its own
+        rule); ``scale`` is the attention's softmax scale (``group_score="mass"``, ``"exact"``).  ``keys``: the
+        layer's ``(k_pool, page_table, valid_lo, seq_len)``, which heads ranked ``"exact"`` score with."""
         active = ~self.is_stable | due
-        if self.split_scoring:  # each kind of head by its own scoring, into one [B, H, P_cap] row per head
-            s_st = self._scores(ops, query, kmin, kmax, self.stable_heads, num_pages, active[self.stable_heads],
-                                scale, self.stable_scoring)
-            s_un = self._scores(ops, query, kmin, kmax, self.unstable_heads, num_pages,
-                                active[self.unstable_heads], scale, self.unstable_scoring, keys)
-            scores = s_st.new_empty((s_st.shape[0], self.is_stable.numel(), s_st.shape[2]))
-            scores.index_copy_(1, self.stable_heads, s_st).index_copy_(1, self.unstable_heads, s_un)
-        else:
+        if not self.split_scoring:
             scores = self._scores(ops, query, kmin, kmax, self.all_heads, num_pages, active, scale,
                                   self.unstable_scoring if self.num_stable == 0 else self.stable_scoring, keys)
-        ops.select_pages(scores, self.width, num_pages=num_pages, active=active, out=self.selected)
+            ops.select_pages(scores, self.width, num_pages=num_pages, active=active, out=self.selected)
+        else:  # each kind of head by its own scoring and selected on its own: [B, h, K] moves, not score rows
+            parts = ((self.stable_heads, self.stable_scoring, None), (self.unstable_heads, self.unstable_scoring, keys))
+            rows = []
+            for heads, scoring, their_keys in parts:
+                rows.append(self._scores(ops, query, kmin, kmax, heads, num_pages, active[heads], scale, scoring,
+                                         their_keys))
+                picked = self.selected.index_select(1, heads)  # kept where a head is not due
+                ops.select_pages(rows[-1], self.width, num_pages=num_pages, active=active[heads], out=picked)
+                self.selected.index_copy_(1, heads, picked)
+            scores = None
+            if with_scores:  # one [B, H, P_cap] row per head, for an observer and tests
+                scores = rows[0].new_empty((rows[0].shape[0], self.is_stable.numel(), rows[0].shape[2]))
+                scores.index_copy_(1, self.stable_heads, rows[0]).index_copy_(1, self.unstable_heads, rows[1])
         self.reranks.add_(active)
         return scores
 

@@ -57,9 +57,9 @@ def attend_token(layer, q: torch.Tensor, scaling: float, plan: StepPlan) -> torc
     if rr.num_stable < s.num_kv_heads or plan.may(stable_due) or lagged:  # some head is due
         previous = rr.selected.clone() if lagged else None
         ranked = due if not lagged else due | late
-        scores = rr.rerank(s.ops, q, s.kmin, s.kmax, st.num_pages, ranked, scaling,
-                           keys=(s.pool.k, s.pool.page_table, s.valid_lo, st.length))
         observer = layer.spec.observer if plan is not GRAPH_PLAN else None
+        scores = rr.rerank(s.ops, q, s.kmin, s.kmax, st.num_pages, ranked, scaling,
+                           keys=(s.pool.k, s.pool.page_table, s.valid_lo, st.length), with_scores=observer is not None)
         if observer is not None:
             heads, n = rr.scored_heads(bool(stable_due or (lagged and stable_late))), plan.num_pages
             observer.on_rerank(RerankEvent(layer.layer_idx, st.host_step - 1, heads, rr.selected[:, heads],
