@@ -311,7 +311,7 @@ def test_the_traced_step_reads_the_schedule_its_kernels_wrote(setup):
     """The step's schedule comes from its two kernels, ``plan_step`` once and ``begin_layer`` once per layer, and no
     tensor arithmetic of it is traced: written as tensor code, inductor inlined it into every reader (a copy of the
     page-count arithmetic for each kernel taking the count, a dozen and more a layer, each paired with up to 64
-    others in its fusion search; at 32 layers the scheduler took 17.8 s of a 111 s CPU compile, 6.8 s of 91 s as
+    others in its fusion search; at 32 layers the scheduler took 16.0 s of a 96 s CPU compile, 5.2 s of 73 s as
     kernels: docs/benchmarks/NOTES.md)."""
     import collections
 

@@ -91,9 +91,11 @@ def main(argv=None) -> dict:
         rows.append(json.loads(next(ln for ln in done.stdout.splitlines() if ln.startswith("ROW "))[4:]))
         print(f"{row}: generate {rows[-1]['generate_s']:.1f} s, compile "
               f"{rows[-1]['phases'].get('_compile.compile_inner', 0):.1f} s", file=sys.stderr)
-    out = {"command": "python -m flexicache_hf.bench.compile_time " + " ".join(argv if argv is not None else
-                                                                                 sys.argv[1:]),
-           "torch": __import__("torch").__version__, "rows": rows}
+    import torch
+
+    args = sys.argv[1:] if argv is None else argv
+    out = {"command": "python -m flexicache_hf.bench.compile_time " + " ".join(args), "torch": torch.__version__,
+           "rows": rows}
     return emit_json(out, a.json)
 
 

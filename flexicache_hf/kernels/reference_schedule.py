@@ -23,11 +23,11 @@ def plan_step(length: torch.Tensor, step: torch.Tensor, current: torch.Tensor, p
     -1: no cap), ``overflow`` set once ``length`` reaches that end; its ``page`` and ``offset`` there,
     ``num_pages`` (once it is appended), whether it starts (``new_page``) or fills (``page_full``) its page;
     ``current`` = this step's index, ``step`` and ``length`` advanced past it."""
-    p = length.clone()
+    p = length  # read before it is written: `length.copy_(p + 1)` computes `p + 1` first
     if capacity >= 0:
         end = origin + capacity
         overflow.logical_or_(length >= end)
-        p = torch.minimum(p, end - 1)
+        p = torch.minimum(length, end - 1)
     pos.copy_(p)
     page.copy_(torch.div(p, page_size, rounding_mode="floor"))
     offset.copy_(p - page * page_size)
