@@ -281,7 +281,9 @@ def test_inductor_hands_the_loads_behind_the_pools_themselves(setup):
     """``overlap_loads`` compiled by inductor (on the CPU): every ``load_pages_behind`` call writes a layer's pools
     themselves, never a copy of them that a later kernel of the step copies back (on CUDA that copy-back would run
     while the load stream still writes: the captured step then loses the loads; seen on the H200 before the op
-    stopped declaring the pools mutated), and the tokens are the eager run's."""
+    stopped declaring the pools mutated), each comes after its layer's attention (which reads the slots it
+    overwrites: the op takes the attention's output for that; inductor once ran a load first, the tokens changed),
+    and the tokens are the eager run's."""
     import re
 
     from torch._inductor import config as inductor_config
@@ -304,6 +306,10 @@ def test_inductor_hands_the_loads_behind_the_pools_themselves(setup):
     calls = re.findall(r"load_pages_behind\.default\(([^,]+), ([^,]+),", "\n".join(code))
     assert len(calls) == cfg.num_hidden_layers, calls
     assert all(re.fullmatch(r"arg\d+_1", a) and re.fullmatch(r"arg\d+_1", b) for a, b in calls), calls
+    for step in code:  # in each layer, its attention (which reads the pools) before its load
+        attentions = [m.start() for m in re.finditer(r"flexicache\.sparse_decode\.default\(", step)]
+        loads = [m.start() for m in re.finditer(r"flexicache\.load_pages_behind\.default\(", step)]
+        assert len(attentions) == len(loads) and all(a < b for a, b in zip(attentions, loads)), (attentions, loads)
     assert torch.equal(out, eager)
 
 

@@ -26,7 +26,7 @@ SCHEMAS = {
     "copy_kv_pages": "(Tensor(a0!) dst_k, Tensor(a1!) dst_v, Tensor dst_index, Tensor src_k, Tensor src_v, "
                      "Tensor src_index) -> ()",
     "load_pages_behind": "(Tensor dst_k, Tensor dst_v, Tensor dst_index, Tensor src_k, Tensor src_v, "
-                         "Tensor src_index, Tensor(a6!) token) -> ()",
+                         "Tensor src_index, Tensor(a6!) token, Tensor after) -> ()",
     "join_loads": "(Tensor(a0!) token) -> ()",
     "reseat_slots": "(Tensor(a0!) slot_page, Tensor wanted, Tensor slot_phys, Tensor(a3!) table_buffer, "
                     "Tensor slot_heads, SymInt num_heads, SymInt null_page, Tensor? when) -> (Tensor, Tensor)",

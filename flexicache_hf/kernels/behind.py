@@ -21,7 +21,7 @@ from ..load_stream import join_load_stream, load_stream
 
 
 def load_pages_behind(dst_k: torch.Tensor, dst_v: torch.Tensor, dst_index: torch.Tensor, src_k: torch.Tensor,
-                      src_v: torch.Tensor, src_index: torch.Tensor, token: torch.Tensor) -> None:
+                      src_v: torch.Tensor, src_index: torch.Tensor, token: torch.Tensor, after: torch.Tensor) -> None:
     """Same contract as :func:`reference.load_pages_behind`: the copies queued on the load stream."""
     from .uva_copy import copy_kv_pages
 

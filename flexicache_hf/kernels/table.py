@@ -114,11 +114,13 @@ KERNELS = (
     # the end of the forward; ``token`` (the schedule's) orders the loads and their join in a traced step.  The pools
     # it writes are not declared mutated: declared, a compiled step may hand the op a copy of a pool and copy it back
     # right after the op returns, while the load stream still writes the copy (inductor's code did so).  Nothing
-    # later in the step reads the layer's pools (the next step reads them after the join), and the op follows the
-    # attention that read them through the reseat whose pages it takes.
+    # later in the step reads the layer's pools (the next step reads them after the join); the op takes the layer's
+    # attention output (``after``, not read) so that it follows the attention that read the slots it overwrites.
+    # Its index lists alone do not order it: inductor may run the reseat that makes them before the attention (on a
+    # copy of the page table), and then did run the load before it too (NOTES, 2026-12-05).
     Kernel("load_pages_behind", reference.load_pages_behind, "behind",
            "(Tensor dst_k, Tensor dst_v, Tensor dst_index, Tensor src_k, Tensor src_v, Tensor src_index, "
-           "Tensor(a6!) token) -> ()"),
+           "Tensor(a6!) token, Tensor after) -> ()"),
     Kernel("join_loads", reference.join_loads, "behind", "(Tensor(a0!) token) -> ()"),
     Kernel("copy_rows", reference.copy_rows, "row_copy"),  # a prompt's offload: a few cuMemcpy2DAsync per span
     Kernel("reseat_slots", reference.reseat_slots, "slots",
