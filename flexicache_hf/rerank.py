@@ -85,6 +85,7 @@ class Reranker:
         # One scoring call for every head unless both kinds exist and score differently.
         self.split_scoring = (self.stable_scoring != self.unstable_scoring and 0 < len(unstable) < num_kv_heads)
         self.is_stable = index_tensor([h not in set(unstable) for h in range(num_kv_heads)], device, torch.bool)
+        self.unstable_active = torch.ones(len(unstable), dtype=torch.bool, device=device)  # they re-rank every step
         self.recent_offsets = 1 + torch.arange(self.max_recent, device=device)  # pages after the anchor
         # Selected logical pages per head (ascending, -1 padded); rows of stable heads change only when due.
         self.selected = torch.full((batch, num_kv_heads, self.width), -1, dtype=torch.long, device=device)
@@ -93,8 +94,8 @@ class Reranker:
         self.first_page = torch.zeros(batch, dtype=torch.long, device=device)
 
     def buffers(self) -> list[torch.Tensor]:
-        return [self.all_heads, self.stable_heads, self.unstable_heads, self.is_stable, self.recent_offsets,
-                self.selected, self.reranks, self.first_page]
+        return [self.all_heads, self.stable_heads, self.unstable_heads, self.is_stable, self.unstable_active,
+                self.recent_offsets, self.selected, self.reranks, self.first_page]
 
     def fit(self, pages: int) -> None:
         """Room for ``pages`` pages per head (the layer's grown capacity): the selection widens to
@@ -133,13 +134,15 @@ class Reranker:
                                   self.unstable_scoring if self.num_stable == 0 else self.stable_scoring, keys)
             ops.select_pages(scores, self.width, num_pages=num_pages, active=active, out=self.selected)
         else:  # each kind of head by its own scoring and selected on its own: [B, h, K] moves, not score rows
-            parts = ((self.stable_heads, self.stable_scoring, None), (self.unstable_heads, self.unstable_scoring, keys))
+            # (stable heads are active where due, unstable ones always: no per-head indexing of `active`)
+            parts = ((self.stable_heads, self.stable_scoring, None, due.expand(self.num_stable).contiguous()),
+                     (self.unstable_heads, self.unstable_scoring, keys, self.unstable_active))
             rows = []
-            for heads, scoring, their_keys in parts:
-                rows.append(self._scores(ops, query, kmin, kmax, heads, num_pages, active[heads], scale, scoring,
+            for heads, scoring, their_keys, their_active in parts:
+                rows.append(self._scores(ops, query, kmin, kmax, heads, num_pages, their_active, scale, scoring,
                                          their_keys))
                 picked = self.selected.index_select(1, heads)  # kept where a head is not due
-                ops.select_pages(rows[-1], self.width, num_pages=num_pages, active=active[heads], out=picked)
+                ops.select_pages(rows[-1], self.width, num_pages=num_pages, active=their_active, out=picked)
                 self.selected.index_copy_(1, heads, picked)
             scores = None
             if with_scores:  # one [B, H, P_cap] row per head, for an observer and tests

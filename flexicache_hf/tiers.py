@@ -133,8 +133,9 @@ class HostTier:
 
     def __init__(self, batch: int, heads: int, page_size: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, limit_bytes: int | None, copies: CopyStream, ops: KernelOps):
-        self.batch, self.heads, self.page_size, self.head_dim = batch, heads, page_size, head_dim
+        self.heads, self.page_size, self.head_dim = heads, page_size, head_dim
         self.dtype, self.compute_device = dtype, device
+        self.batch = batch
         self.limit_bytes = limit_bytes  # the cache's host_memory_limit, over every layer's tier
         self.copies, self.ops = copies, ops  # the layer's copy stream (every tier copy runs there)
         self.pinned = device.type == "cuda"
@@ -252,11 +253,20 @@ class HostTier:
         t = self.k_dev if which == "k" else self.v_dev
         return t.view(-1, self.page_size, self.head_dim)
 
-    def page_index(self, pages: torch.Tensor) -> torch.Tensor:
-        """Flat host page index of logical ``pages`` ``[B, heads, n]`` (int64): ``(p * B + b) * heads + h``."""
-        b = torch.arange(self.batch, device=pages.device)[:, None, None]
-        h = torch.arange(self.heads, device=pages.device)[None, :, None]
-        return (pages * self.batch + b) * self.heads + h
+    @property
+    def batch(self) -> int:
+        return self._batch
+
+    @batch.setter
+    def batch(self, batch: int) -> None:
+        """Rows; with them :meth:`page_index`'s ``b * heads + h``, made once (a traced step reads it)."""
+        self._batch = batch
+        self.row_base = torch.arange(batch * self.heads, device=self.compute_device).view(batch, self.heads, 1)
+
+    def page_index(self, pages: torch.Tensor | int) -> torch.Tensor:
+        """Flat host page index ``(p * B + b) * heads + h`` of logical ``pages`` ``[B, heads, n]`` (int64), or of
+        one page of every row and head (an int or a ``[1]`` tensor; then ``[B, heads, 1]``)."""
+        return pages * (self.batch * self.heads) + self.row_base
 
     def write_tokens(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
         """Queue the copy of a prompt chunk ``[B, heads, T, D]`` (positions ``start..``) to the host tier: one
@@ -401,9 +411,7 @@ def offload_page(ops: KernelOps, pool: PagePool, host: HostTier, page, phys: tor
                  when: torch.Tensor | None = None) -> None:
     """Copy logical ``page`` (an int or a ``[1]`` device tensor) of every row/head, held in slots
     ``phys [B, heads]``, to the host; only where ``when`` (a ``[1]`` bool tensor) holds, if given."""
-    B, nT = phys.shape
-    pages = torch.zeros((B, nT, 1), dtype=torch.long, device=phys.device) + page
-    dst = host.page_index(pages).reshape(-1)
+    dst = host.page_index(page).reshape(-1)
     if when is not None:
         dst = torch.where(when, dst, -1)  # the copy kernel skips -1 entries
     ops.copy_kv_pages(host.device_pages("k"), host.device_pages("v"), dst, pool.k, pool.v, phys.reshape(-1))
