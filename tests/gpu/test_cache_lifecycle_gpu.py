@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import copied, tiny_config, twin_models  # noqa: E402
 
-from flexicache_hf import FlexiCache, HeadProfile  # noqa: E402
+from flexicache_hf import FlexiCache, HeadProfile, kept_storage_bytes, release_storage  # noqa: E402
 
 SMALL = dict(page_size=16, token_budget=64, rerank_interval=4)
 
@@ -55,9 +55,12 @@ def test_copied_cuda_cache_is_pinned_and_continues_like_the_original(models, how
 
 
 def test_dropped_cuda_cache_frees_device_memory_at_once(models):
+    """A dropped cache is kept for the next one (:mod:`flexicache_hf.recycling`) by reference counting alone, and
+    ``release_storage()`` then frees every byte of it at once: nothing of a cache waits for a garbage collection."""
     cfg, fc, _ = models
     ids = torch.randint(2, 96, (4, 600), device="cuda")
     greedy(fc, ids, FlexiCache(HeadProfile.random(cfg, 0.25), **SMALL))  # warm the allocator
+    release_storage()
     gc.collect()
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
@@ -67,7 +70,10 @@ def test_dropped_cuda_cache_frees_device_memory_at_once(models):
         greedy(fc, ids, cache)
         assert torch.cuda.memory_allocated() > before
         del cache
+        assert kept_storage_bytes() > 0  # kept for the next cache of its shape, by reference counting
+        release_storage()
         torch.cuda.synchronize()
+        assert kept_storage_bytes() == 0
         assert torch.cuda.memory_allocated() == before  # freed by reference counting, no collection needed
     finally:
         gc.enable()

@@ -6,6 +6,8 @@ are within 5 % of a sized cache's holding the same tokens plus a chunk.
 Run on a CUDA machine with VMM (never in CI): ``.venv/bin/python -m pytest tests/gpu/test_reserve_gpu.py -m gpu``.
 """
 
+import collections
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
@@ -85,9 +87,12 @@ def test_prompt_past_the_context_is_refused(model):
     assert cache.device_bytes() == held and cache.get_seq_length() == 65
 
 
-def _first_prefill_syncs(layers: int) -> int:
+def _first_prefill_syncs(layers: int) -> collections.Counter:
     """Host waits for the device (torch's sync debug mode) in the prefill of a cache's first forward, on a model of
-    ``layers`` layers: a warm-up cache first (kernels built), then a new cache of another batch (fresh storage)."""
+    ``layers`` layers: a warm-up cache first (kernels built), then a new cache of another batch (fresh storage).
+    Counted by where they happen: the waiting thread and the innermost frames of the project and transformers."""
+    import threading
+    import traceback
     import warnings
 
     torch.manual_seed(0)
@@ -100,18 +105,28 @@ def _first_prefill_syncs(layers: int) -> int:
     generate(model, ids[:1], torch.ones_like(ids[:1]), FlexiCache(profile, page_size=16, token_budget=256), 1)
     torch.cuda.synchronize()
     cache = FlexiCache(profile, page_size=16, token_budget=256)
-    with warnings.catch_warnings(record=True) as seen:
+    waits = collections.Counter()
+
+    def record(message, *_, **__):
+        if "called a synchronizing" in str(message):
+            frames = [f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}" for f in traceback.extract_stack()[:-1]
+                      if "flexicache_hf" in f.filename or "transformers" in f.filename]
+            waits[(threading.current_thread().name, *frames[-3:])] += 1
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
             generate(model, ids, torch.ones_like(ids), cache, 1)
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    return sum("synchroniz" in str(w.message) for w in seen)
+    return waits
 
 
 def test_a_first_prefill_waits_for_the_device_no_more_with_more_layers():
     """A first forward lays each layer out (storage, selections, reserved ranges) while the layers before it are still
     on the device: none of that waits for them (run 25: a wait per layer idled the device while the host page-locked
     that layer's tier), so a deeper model's first prefill waits as often as a shallow one's (generate's own waits)."""
-    assert _first_prefill_syncs(6) == _first_prefill_syncs(2)
+    deep, shallow = _first_prefill_syncs(6), _first_prefill_syncs(2)
+    assert sum(deep.values()) == sum(shallow.values()), (deep - shallow, shallow - deep)
