@@ -16,6 +16,8 @@
   same settings unstaggered.
 * ``candidates-16k``: Qwen 16k fidelity with the unstable heads' exact mass over every page against over a few
   times the budget of pages picked by the min/max bound (``exact_candidates``).
+* ``sinks-16k``: Qwen 16k fidelity with the profile's setting plus a sink page, plus recent pages, or with half the
+  heads unstable.
 
 **Archived grids**: every other grid answered one question along the way; what matters of it now is its results,
 so it is a JSON file beside them,
@@ -283,12 +285,13 @@ def qwen_32k() -> EvalConfig:
 
 
 def _exact_unstable(budget: int, fraction: float = 0.375, profile: str = "measured", interval: int = 16,
-                    stagger: bool = False, candidates: int = 0) -> Policy:
+                    stagger: bool = False, candidates: int = 0, sink: int = 0, recent: int = 0) -> Policy:
     """The long-output setting (the stable heads by the mass of the half-shrunk box) with the least-stable
     ``fraction`` of heads ranked by the exact attention mass (``unstable_group_score="exact"``; over their
-    ``candidates`` x budget pages of the largest bound, 0: every page)."""
-    return Policy("flexicache", budget, interval, fraction, profile, group_score="mass", bound_shrink=0.5,
-                  unstable_scoring=("exact", 1.0), stagger_reranks=stagger, exact_candidates=candidates)
+    ``candidates`` x budget pages of the largest bound, 0: every page); ``sink`` / ``recent`` pages kept."""
+    return Policy("flexicache", budget, interval, fraction, profile, sink_pages=sink, recent_pages=recent,
+                  group_score="mass", bound_shrink=0.5, unstable_scoring=("exact", 1.0), stagger_reranks=stagger,
+                  exact_candidates=candidates)
 
 
 @canonical
@@ -336,6 +339,21 @@ def candidates_16k() -> EvalConfig:
     H200)."""
     rows = [_exact_unstable(b, stagger=True, candidates=c) for b in (2048, 1024) for c in (0, 1, 2, 4)]
     return _qwen_16k_fidelity("candidates-16k", rows, page_size=8)
+
+
+@canonical
+def sinks_16k() -> EvalConfig:
+    """Qwen 16k fidelity: the profile's setting, + a sink page, + recent pages, 50 % unstable.
+
+    The profile's setting (37.5 % unstable by the exact mass, staggered, 8-token pages) as shipped, with the first
+    page kept (``sink_pages=1``), with it and the 4 newest pages (``recent_pages=4``: the last 32 prompt tokens,
+    which a stable head's selection made before the prompt ended may miss), and with half the heads unstable, at
+    budgets 2048 and 1024 (kept pages count inside the budget), 8 documents (~5 min on an H200)."""
+    rows = []
+    for b in (2048, 1024):
+        rows += [_exact_unstable(b, stagger=True), _exact_unstable(b, stagger=True, sink=1),
+                 _exact_unstable(b, stagger=True, sink=1, recent=4), _exact_unstable(b, 0.5, stagger=True)]
+    return _qwen_16k_fidelity("sinks-16k", rows, page_size=8)
 
 
 def _retention_exact(base: EvalConfig) -> EvalConfig:
