@@ -87,6 +87,13 @@ class FlexiCacheConfig:
             stable head between re-ranks then attends up to ``rerank_interval // page_size + 1`` pages since its
             selection (:attr:`max_recent_pages`).  The re-rank every head makes after a follow-up prompt chunk keeps
             the paper's order.  ``False`` (the default, and the paper): re-rank, load, then attend.
+        keep_margin: ``m >= 0``: a stable head's re-rank keeps a page of its selection unless another page scores
+            more than ``1 + m`` times it (the selected pages' scores are multiplied by ``1 + m`` before the top-K;
+            ``group_score="mass"`` only, whose scores are attention masses).  Every page a stable head promotes
+            crosses from host memory, and many promotions swap pages of near-equal mass at the K-th place (on
+            SmolLM2 a re-rank replaces ~21 % of the top-K whether R is 8 or 16: ``bench.promotion``); a margin
+            keeps those and still promotes a page that clearly outranks.  Unstable heads (every page on the
+            device) are not affected.  ``0`` (the default, and the paper): plain top-K.
 
     :meth:`paper` gives the paper's settings exactly.
     """
@@ -105,6 +112,7 @@ class FlexiCacheConfig:
     unstable_bound_shrink: float | None = None
     exact_candidates: int = 0
     overlap_loads: bool = False
+    keep_margin: float = 0.0
 
     def __post_init__(self) -> None:
         ps = self.page_size
@@ -152,6 +160,13 @@ class FlexiCacheConfig:
         if n and self.unstable_group_score != "exact":
             raise ConfigError(f"exact_candidates applies to unstable_group_score='exact' only, got exact_candidates={n} "
                               f"with unstable_group_score={self.unstable_group_score!r}")
+        m = self.keep_margin
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m < float("inf"):
+            raise ConfigError(f"keep_margin must be a finite number >= 0, got {m!r}")
+        object.__setattr__(self, "keep_margin", float(m))
+        if m and self.group_score != "mass":
+            raise ConfigError(f"keep_margin scales attention masses: it needs group_score='mass', got "
+                              f"group_score={self.group_score!r}")
         cap = self.host_memory_limit
         if cap is not None and (not _is_int(cap) or cap < 0):
             raise ConfigError(f"host_memory_limit must be None or a non-negative number of bytes, got {cap!r}")
@@ -165,7 +180,7 @@ class FlexiCacheConfig:
         re-cuts to any fraction: ``profile.least_stable(0.25)``)."""
         paper = dict(page_size=16, rerank_interval=16, token_budget=2048, group_score="max", bound_shrink=1.0,
                      sink_pages=0, recent_pages=0, stagger_reranks=False, offload=True, unstable_group_score=None,
-                     unstable_bound_shrink=None, overlap_loads=False)
+                     unstable_bound_shrink=None, overlap_loads=False, keep_margin=0.0)
         return cls(**{**paper, **overrides})
 
     @property

@@ -55,6 +55,20 @@ def force_pages(scores: torch.Tensor, num_pages, sink_pages: int, recent_pages: 
     return torch.where(forced & (scores > float("-inf")), float("inf"), scores)
 
 
+def keep_selected(scores: torch.Tensor, selected: torch.Tensor, margin: float,
+                  heads: torch.Tensor | None = None) -> None:
+    """In place: the scores ``[B, h, P]`` of each row's selected pages ``selected [B, h, K]`` (-1 padded) times
+    ``1 + margin`` (``FlexiCacheConfig.keep_margin``), on the rows of ``heads [h]`` (bool; ``None``: every row).
+    Gathers and scatters K entries a row, never the row's width; a pad entry rewrites its row's first selected page
+    with the same value (a row selecting nothing rewrites page 0 unchanged), so no two writes of one page differ."""
+    first = selected[..., :1]
+    idx = torch.where(selected >= 0, selected, first).clamp_(min=0)
+    factor = torch.where(first >= 0, 1.0 + margin, 1.0)
+    if heads is not None:
+        factor = torch.where(heads[None, :, None], factor, 1.0)
+    scores.scatter_(2, idx, scores.gather(2, idx) * factor)
+
+
 class Reranker:
     """Selection state of one layer: each head's current top-K pages, and the rule of what is scored / attended.
 
@@ -66,7 +80,7 @@ class Reranker:
     def __init__(self, batch: int, num_kv_heads: int, unstable: tuple[int, ...], budget_pages: int,
                  max_recent: int, device: torch.device, sink_pages: int = 0, recent_pages: int = 0, *,
                  stable_scoring: tuple[str, float], unstable_scoring: tuple[str, float], pages: int | None = None,
-                 exact_candidates: int = 0):
+                 exact_candidates: int = 0, keep_margin: float = 0.0):
         # K pages per head, and the pages a stable head gains between re-ranks; the tensors are as wide as the
         # pages that can exist (``pages``, the layer's capacity, see fit), not as the budget: a budget beyond the
         # context costs what a budget covering it costs.
@@ -77,6 +91,7 @@ class Reranker:
         self.stable_scoring, self.unstable_scoring = tuple(stable_scoring), tuple(unstable_scoring)
         self.sink_pages, self.recent_pages = sink_pages, recent_pages
         self.exact_candidates = exact_candidates  # pages an "exact" head scores exactly (0: all; config.py)
+        self.keep_margin = keep_margin  # a stable head's selected pages score (1 + m) times theirs (config.py)
         self.unstable_host = tuple(unstable)
         self.num_stable = num_kv_heads - len(unstable)
         self.all_heads = torch.arange(num_kv_heads, device=device)
@@ -132,6 +147,8 @@ class Reranker:
         if not self.split_scoring:
             scores = self._scores(ops, query, kmin, kmax, self.all_heads, num_pages, active, scale,
                                   self.unstable_scoring if self.num_stable == 0 else self.stable_scoring, keys)
+            if self.keep_margin and self.num_stable:
+                keep_selected(scores, self.selected, self.keep_margin, self.is_stable)
             ops.select_pages(scores, self.width, num_pages=num_pages, active=active, out=self.selected)
         else:  # each kind of head by its own scoring and selected on its own: [B, h, K] moves, not score rows
             # (stable heads are active where due, unstable ones always: no per-head indexing of `active`)
@@ -142,6 +159,8 @@ class Reranker:
                 rows.append(self._scores(ops, query, kmin, kmax, heads, num_pages, their_active, scale, scoring,
                                          their_keys))
                 picked = self.selected.index_select(1, heads)  # kept where a head is not due
+                if self.keep_margin and heads is self.stable_heads:
+                    keep_selected(rows[-1], picked, self.keep_margin)
                 ops.select_pages(rows[-1], self.width, num_pages=num_pages, active=their_active, out=picked)
                 self.selected.index_copy_(1, heads, picked)
             scores = None

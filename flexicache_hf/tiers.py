@@ -113,7 +113,8 @@ class CopyStream:
         """Wait on the host for every copy issued so far, page loads behind the compute included (before the CPU
         itself touches the host tier, or its page-locked memory is let go)."""
         if self.cuda and torch.cuda.is_initialized():
-            self.stream.synchronize()
+            if not self.stream.query():  # an idle stream costs no wait (a freed cache's layers each end here)
+                self.stream.synchronize()
             synchronize_load_streams()
 
 

@@ -123,13 +123,16 @@ def test_compiled_decode_with_a_rule_per_kind_of_head_equals_eager(setup):
     assert cache.stats == eager_cache.stats
 
 
-def test_compiled_decode_with_exact_unstable_ranking_equals_eager(setup):
+@pytest.mark.parametrize("keep", [0.0, 0.5])
+def test_compiled_decode_with_exact_unstable_ranking_equals_eager(setup, keep):
     """Unstable heads ranked by the exact attention mass (``unstable_group_score="exact"``: the page log-sum-exp
-    op over the pool) inside the compiled step, left padding included: the same tokens and counters as eagerly."""
+    op over the pool) inside the compiled step, left padding included, with and without a ``keep_margin`` for the
+    stable heads: the same tokens and counters as eagerly."""
     cfg, fc, _, ids, mask = setup
     prof = HeadProfile.from_unstable(cfg, [(0, 1), (1, 0)])
     make = lambda: FlexiCache(prof, page_size=4, token_budget=12, rerank_interval=5, group_score="mass",  # noqa: E731
-                              bound_shrink=0.5, unstable_group_score="exact", max_cache_len=37 + 24)
+                              bound_shrink=0.5, unstable_group_score="exact", max_cache_len=37 + 24,
+                              keep_margin=keep)
     eager_cache = make()
     eager = run(fc, ids, mask, eager_cache, 24, compiled=False)
     cache = make()

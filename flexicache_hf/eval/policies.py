@@ -56,6 +56,8 @@ class Policy:
     stagger_reranks: bool = False
     # FlexiCache only, with unstable_scoring ("exact", ...): FlexiCacheConfig.exact_candidates (0: every page)
     exact_candidates: int = 0
+    # FlexiCache only, with group_score "mass": FlexiCacheConfig.keep_margin (0: plain top-K)
+    keep_margin: float = 0.0
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -79,6 +81,8 @@ class Policy:
             raise ValueError(f"stagger_reranks applies to flexicache only, not {self.family!r}")
         if self.exact_candidates and (self.family != "flexicache" or (self.unstable_scoring or ("",))[0] != "exact"):
             raise ValueError("exact_candidates applies to flexicache with unstable_scoring ('exact', ...) only")
+        if self.keep_margin and (self.family != "flexicache" or self.group_score != "mass"):
+            raise ValueError("keep_margin applies to flexicache with group_score 'mass' only")
 
     @property
     def label(self) -> str:
@@ -94,6 +98,7 @@ class Policy:
             forced += f"-unstable-{group}" + ("" if group == "exact" else f"-shrink{shrink:g}")
             forced += f"-cand{self.exact_candidates}" if self.exact_candidates else ""
         forced += "-stagger" if self.stagger_reranks else ""
+        forced += f"-keep{self.keep_margin:g}" if self.keep_margin else ""
         tag = f"-u{round(100 * self.unstable_fraction)}" + ("-random" if self.profile == "random" else "")
         if self.family == "flexicache":
             return f"flexicache-R{self.rerank_interval}{tag}{forced}@{budget}"
@@ -178,6 +183,7 @@ def make_cache(policy: Policy, model_config, context: int, profiles: ProfileSour
                                offload=not quest, sink_pages=policy.sink_pages, recent_pages=policy.recent_pages,
                                group_score=policy.group_score, bound_shrink=policy.bound_shrink,
                                stagger_reranks=policy.stagger_reranks, exact_candidates=policy.exact_candidates,
+                               keep_margin=policy.keep_margin,
                                **_unstable_fields(policy.unstable_scoring))
         return FlexiCache(prof, cfg, model_config=model_config, kernels=kernels)
     if policy.family in ("oracle", "quest-ref", "oracle-unstable"):

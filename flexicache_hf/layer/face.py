@@ -71,7 +71,8 @@ class FlexiCacheLayer(CacheLayerMixin):
         self.reranker = Reranker(B, H, unstable, cfg.budget_pages, cfg.max_recent_pages, key_states.device,
                                  cfg.sink_pages, cfg.recent_pages, stable_scoring=cfg.stable_scoring,
                                  unstable_scoring=cfg.unstable_scoring, pages=0,  # widened as the layer grows
-                                 exact_candidates=cfg.exact_candidates * cfg.budget_pages)
+                                 exact_candidates=cfg.exact_candidates * cfg.budget_pages,
+                                 keep_margin=cfg.keep_margin)
         self.state = state
         self.seq_len = 0
         self.is_initialized = True

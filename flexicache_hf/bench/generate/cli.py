@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="FlexiCacheConfig.unstable_group_score (exact: the unstable heads by the exact mass)")
     ap.add_argument("--exact-candidates", type=int, default=None,
                     help="FlexiCacheConfig.exact_candidates (with exact: pages scored exactly, x budget; 0: all)")
+    ap.add_argument("--keep-margin", type=float, default=None,
+                    help="FlexiCacheConfig.keep_margin (a stable head keeps a selected page unless outscored by 1 + m)")
     ap.add_argument("--unstable-fraction", type=float, default=None,
                     help="re-cut the model's shipped profile to its least-stable fraction of heads")
     ap.add_argument("--prefill-profile", action="store_true",
