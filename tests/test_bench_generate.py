@@ -140,6 +140,9 @@ def test_flexicache_rows_take_the_profile_settings_and_the_flags_on_top():
     assert paper.is_compileable
     overlap = new_cache("flexicache-overlap", model, "Llama-3.1-8B-Instruct", args, 1000)
     assert overlap.config == dataclasses.replace(graph.config, overlap_loads=True) and overlap.is_compileable
+    with pytest.warns(UserWarning, match="ignores"):  # the README call as written: the flags do not reach it
+        unsized = new_cache("flexicache-unsized", model, "Llama-3.1-8B-Instruct", args, 1000)
+    assert unsized.config == readme.config
 
 
 def test_cli_flags_and_defaults():
@@ -153,7 +156,7 @@ def test_cli_flags_and_defaults():
         "static_variants": "sdpa", "static_prefill_chunk": 0, "prefill_chunk": 0, "new_tokens": 256, "prompt_lookup": 0,
         "offloaded_tokens": 16, "budget": None, "rerank_interval": None, "stagger_reranks": None, "group_score": None,
         "page_size": None, "bound_shrink": None,
-        "unstable_group_score": None, "exact_candidates": None, "unstable_fraction": None, "prefill_profile": False,
+        "unstable_group_score": None, "exact_candidates": None, "keep_margin": None, "unstable_fraction": None, "prefill_profile": False,
         "profile_steps": 0, "largest_batch": None,
         "probe_tokens": 16, "probe_start": 16, "probe_step": 8, "max_probes": 8, "probe_compiled": False,
         "host_limit_gb": None, "followup": False, "followup_tokens": 512, "followup_repeats": 5,

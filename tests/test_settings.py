@@ -109,7 +109,9 @@ def test_shipped_profiles_carry_settings_with_their_source():
         assert "accuracy" in p.settings.source, stem
         FlexiCache(p)  # resolves: valid settings, a re-cut only where the profile has scores
     qwen = resolve_profile("Qwen2.5-Coder-0.5B-Instruct")
-    assert qwen.settings.config_fields == FIELDS and qwen.settings.unstable_fraction == 0.375
+    assert qwen.settings.config_fields == {**FIELDS, "rerank_interval": 8, "keep_margin": 1.0}
+    assert qwen.settings.unstable_fraction == 0.375
     cache = FlexiCache(qwen)
     assert cache.config.token_budget == FlexiCacheConfig().token_budget and cache.profile.unstable_fraction == 0.375
-    assert "select-16k-exact-gpu" in cache.settings_source
+    assert "select-16k-exact-gpu" in cache.settings_source and "keep-16k-gpu" in cache.settings_source
+    assert cache.config.rerank_interval == 8 and cache.config.keep_margin == 1.0

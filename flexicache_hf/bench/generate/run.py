@@ -3,10 +3,12 @@ profiled call and the multi-turn follow-up."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import hashlib
 import statistics
 import time
+import warnings
 
 import torch
 
@@ -26,8 +28,11 @@ def new_cache(row: str, model, profile, args, max_cache_len: int):
 
     from ... import FlexiCache, FlexiCacheConfig
 
-    if row == "flexicache-unsized":
-        return FlexiCache(profile)  # the README's first example, as written
+    if row == "flexicache-unsized":  # the README's first example, as written: the config flags do not apply
+        if config_flags(args):
+            warnings.warn(f"the flexicache-unsized row is FlexiCache(profile) as the README writes it: it ignores "
+                          f"{sorted(config_flags(args))} (its JSON records the config it used)", stacklevel=2)
+        return FlexiCache(profile)
     if row.startswith("flexicache"):
         limit = int(args.host_limit_gb * 1e9) if args.host_limit_gb > 0 else None
         sized = dict(max_cache_len=max_cache_len, model_config=model.config)
@@ -130,7 +135,8 @@ def generate_once(model, ids, row: str, args, new: int, *, profile=None, stop_af
         res.update(storage_reused=not passed_in and cache.storage_reused, promoted_pages=cache.stats.promoted_pages,
                    host_tier_bytes=cache.host_bytes(),
                    device_kv_bytes=cache.device_bytes(), dense_kv_bytes=cache.dense_bytes(),
-                   cache_is_compileable=bool(cache.is_compileable), **cache.commit_seconds())
+                   cache_is_compileable=bool(cache.is_compileable), **cache.commit_seconds(),
+                   config=dataclasses.asdict(cache.config), settings_source=cache.settings_source)
     return res, cache, out
 
 
