@@ -18,3 +18,27 @@ def test_promotion_share_counts_the_stable_heads_reranks():
     assert r["stable_reranks"] == 3 + 4
     assert 0 < r["promoted_pages"] <= r["stable_reranks"] * r["budget_pages"]
     assert r["replaced_share"] == r["promoted_pages"] / r["stable_reranks"] / r["budget_pages"]
+
+
+def test_the_speed_benchmarks_shape_runs_with_the_llama_profiles_settings(monkeypatch):
+    """``--llama8b-layers``: the bench's own random weights (here a narrow stand-in of the shape), a random 25 %
+    profile that carries the shipped Llama-3.1-8B-Instruct settings, R and margins on top."""
+    from transformers import LlamaConfig
+
+    from flexicache_hf.bench import promotion
+    from flexicache_hf.bench.generate import cli
+
+    def narrow(layers):
+        return LlamaConfig(vocab_size=120001, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                           num_attention_heads=8, num_key_value_heads=4, head_dim=16, max_position_embeddings=4096,
+                           initializer_range=0.5)  # attention far from uniform: pages do change
+
+    monkeypatch.setattr(cli, "llama8b_config", narrow)
+    report = promotion.main("--llama8b-layers 2 --prompt-tokens 300 --new-tokens 17 --budgets 64 --intervals 4 "
+                            "--keep-margins 0 1".split())
+    rows = report["rows"]
+    assert [(r["weights"], r["rerank_interval"], r["keep_margin"]) for r in rows] == [("random", 4, 0.0),
+                                                                                      ("random", 4, 1.0)]
+    assert all(r["page_size"] == 8 for r in rows)  # the Llama profile's settings, not FlexiCacheConfig's 16
+    assert rows[0]["promoted_pages"] > 0  # (the margin's effect: test_keep_margin.py)
+    assert report["model"] == "Llama-3.1-8B shape, 2 layers"

@@ -97,17 +97,24 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def llama8b_config(layers: int = 32):
+    """The speed benchmarks' Llama-3.1-8B shape (random weights are made from it, ``from_config``)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
+                       num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+                       rope_theta=500000.0)
+
+
 def load(args):
     """(model, profile, make_prompt) for ``--model``."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
     # attn_implementation="flexicache" is registered by the package's __init__, imported before this module
     from ...head_profile import resolve_profile
 
     if args.model == "llama8b":
-        cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                          num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
-                          rope_theta=500000.0)
+        cfg = llama8b_config()
         torch.manual_seed(0)
         with torch.device("cuda"):
             model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="flexicache")
