@@ -381,13 +381,14 @@ def keep_16k() -> EvalConfig:
             for r, k in ((8, 0.5), (8, 1.0), (16, 1.0))]
     return _qwen_16k_fidelity("keep-16k", rows, page_size=8)
 
-def _retention_exact(base: EvalConfig) -> EvalConfig:
+def _retention_exact(base: EvalConfig, name: str = "exact", **policy) -> EvalConfig:
     """Retrieval at 1/16 of ``base``'s length with the question after the context, 16 samples a task, 8-token
-    pages: the exact ranking of the unstable heads with 37.5 % and 25 % of heads unstable; no fidelity part."""
+    pages: the exact ranking of the unstable heads with 37.5 % and 25 % of heads unstable (``policy``: more
+    :func:`_exact_unstable` arguments); no fidelity part."""
     budget = base.fidelity_prompt // 16
-    return replace(base, name=f"{base.name}-retention-exact", question_after_context=True, fidelity_docs=0,
+    return replace(base, name=f"{base.name}-retention-{name}", question_after_context=True, fidelity_docs=0,
                    fidelity_extra=(), samples=16, budgets=(budget,), page_size=8, families=(),
-                   task_extra=tuple(_exact_unstable(budget, f) for f in (0.375, 0.25)))
+                   task_extra=tuple(_exact_unstable(budget, f, **policy) for f in (0.375, 0.25)))
 
 
 @canonical
@@ -407,6 +408,24 @@ def qwen_32k_retention_exact() -> EvalConfig:
     """
     return _retention_exact(qwen_32k())
 
+
+
+@canonical
+def qwen_16k_retention_keep() -> EvalConfig:
+    """Qwen retrieval at 1/16 of 16k, question after the context, the defaults since run 27.
+
+    ``qwen-16k-retention-exact`` with the stable heads re-ranked every 8 steps, staggered, ``keep_margin=1``
+    (~2 min on an H200)."""
+    return _retention_exact(qwen_16k(), "keep", interval=8, stagger=True, keep=1.0)
+
+
+@canonical
+def qwen_32k_retention_keep() -> EvalConfig:
+    """Qwen retrieval at 1/16 of 32k, question after the context, the defaults since run 27.
+
+    ``qwen-32k-retention-exact`` with the stable heads re-ranked every 8 steps, staggered, ``keep_margin=1``
+    (~5 min on an H200)."""
+    return _retention_exact(qwen_32k(), "keep", interval=8, stagger=True, keep=1.0)
 
 # ---- by name -------------------------------------------------------------------------------------------------------
 def named_configs() -> dict[str, Callable[[], EvalConfig]]:
