@@ -38,9 +38,15 @@ def join_load_stream(device: torch.device) -> None:
         torch.cuda.current_stream(device).wait_stream(_streams[_index(device)])
 
 
+def synchronize_stream(stream: torch.cuda.Stream) -> None:
+    """Wait on the host for the work queued on ``stream``; an idle one (``query()``) costs no wait (a freed cache's
+    layers each synchronise their copy stream)."""
+    if not stream.query():
+        stream.synchronize()
+
+
 def synchronize_load_streams() -> None:
     """Wait on the host for every load queued on any device's load stream (before page-locked memory they read is
     let go)."""
     for stream in list(_streams.values()):
-        if not stream.query():  # an idle stream costs no wait
-            stream.synchronize()
+        synchronize_stream(stream)

@@ -23,7 +23,7 @@ import torch
 
 from .block_keeper import BLOCKS
 from .host_memory import HostMemoryError, format_bytes  # noqa: F401  (HostMemoryError: re-exported)
-from .load_stream import synchronize_load_streams
+from .load_stream import synchronize_load_streams, synchronize_stream
 from .kernels import KernelOps
 from .kernels.reference import set_table_entries
 from .pages import NULL_PAGE, PagePool, host_capacity, token_spans
@@ -113,8 +113,7 @@ class CopyStream:
         """Wait on the host for every copy issued so far, page loads behind the compute included (before the CPU
         itself touches the host tier, or its page-locked memory is let go)."""
         if self.cuda and torch.cuda.is_initialized():
-            if not self.stream.query():  # an idle stream costs no wait (a freed cache's layers each end here)
-                self.stream.synchronize()
+            synchronize_stream(self.stream)
             synchronize_load_streams()
 
 

@@ -77,7 +77,7 @@ def test_a_margin_promotes_fewer_pages_in_generate():
     assert promoted[1] < promoted[0] / 4
 
 
-def test_a_margin_changes_nothing_before_the_first_rerank_and_generates_like_the_eager_reference():
+def test_a_margin_changes_nothing_before_the_first_rerank():
     cfg = tiny_config("llama", heads=4, kv_heads=2, layers=2)
     model, _ = twin_models(cfg)
     profile = HeadProfile.random(cfg, 0.5)

@@ -80,9 +80,9 @@ def main(argv=None) -> dict:
     from ..head_profile import resolve_profile
     from ..models import load_default_model
 
-    if a.llama8b_layers:  # with the Llama profile's settings, which its random profile carries
+    settings = a.profile_settings or bool(a.llama8b_layers)  # the Llama shape: the settings its profile carries
+    if a.llama8b_layers:
         models, ids, profile, name = _llama8b(a)
-        a.profile_settings = True
     else:
         trained, tok = load_default_model(gguf_path=a.gguf)
         torch.manual_seed(a.seed)
@@ -91,10 +91,10 @@ def main(argv=None) -> dict:
         models, ids = (("trained", trained), ("random", random)), long_prompt(tok, a.prompt_tokens)
         profile, name = resolve_profile(DEFAULT_PROFILE), DEFAULT_PROFILE
     rows = [{"weights": name, **promotion_share(m, ids, profile, budget=b, new_tokens=a.new_tokens, rerank_interval=r,
-                                                profile_settings=a.profile_settings, keep_margin=k)}
+                                                profile_settings=settings, keep_margin=k)}
             for name, m in models for b in a.budgets for r in a.intervals for k in a.keep_margins]
     report = {"model": name, "prompt_tokens": ids.shape[1], "new_tokens": a.new_tokens,
-              "settings": "profile" if a.profile_settings else "FlexiCacheConfig defaults",
+              "settings": "profile" if settings else "FlexiCacheConfig defaults",
               "unstable_heads": len(profile.unstable), "seed": a.seed, "rows": rows}
     if a.out is not None:
         a.out.parent.mkdir(parents=True, exist_ok=True)
