@@ -13,8 +13,8 @@ from flexicache_hf.bench.generate.report import add_ratios, format_table
 from flexicache_hf.bench.generate.rows import attn_impl, check_rows, expand_rows, is_compiled, probe_key
 from flexicache_hf.bench.generate.run import prefill_in_chunks
 from flexicache_hf.bench.generate.search import search_largest
-from flexicache_hf.bench.generate.trace import (concurrent_length, gpu_busy, split_events, step_timeline,
-                                               top_kernels, union_length)
+from flexicache_hf.bench.generate.trace import (concurrent_length, gpu_busy, launch_offsets, split_events,
+                                               step_timeline, top_kernels, union_length)
 
 
 def clock_with(stamps, t0=0.0):
@@ -410,6 +410,18 @@ def test_step_timeline_is_the_middle_step_in_start_order():
            "kernel", "earlier", 7), (600 * us, 601 * us, "kernel", "next step", 7)]
     assert step_timeline(dev, marks) == [[2.0, 10.5, -1, "a"], [10.0, 20.0, 7, "b" * 40]]
     assert step_timeline(dev, marks[:4]) == []
+
+
+def test_launch_offsets_split_the_host_time_before_a_graph_from_its_launch_latency():
+    us = 1e3  # ns
+    marks = [i * 100 * us for i in range(8)]  # window: marks[3]..marks[7], 4 steps
+    launches = [330 * us, 440 * us, 550 * us, 560 * us]  # step at 300: 30 us in; 400: 40; 500: 50 (first of two)
+    dev = [(335 * us, 340 * us, "kernel"), (460 * us, 470 * us, "kernel"), (420 * us, 421 * us, "kernel"),
+           (552 * us, 553 * us, "kernel"), (250 * us, 260 * us, "kernel")]
+    out = launch_offsets(dev, marks, launches)
+    assert out["host_to_launch_ms"] == pytest.approx(0.040)  # median of 30, 40, 50 us
+    assert out["launch_to_device_ms"] == pytest.approx(0.005)  # median of 5, 20, 2 us (the one before 440 ignored)
+    assert launch_offsets(dev, marks, []) == {}
 
 
 def test_split_events_with_names():

@@ -36,14 +36,12 @@ PHASES = ("_compile.compile_inner", "bytecode_tracing", "create_aot_dispatcher_f
           "Scheduler.__init__", "Scheduler.fused_nodes", "compile_file", "async_compile.wait")
 
 
-def run_row(row: str, layers: int, device: str) -> dict:
-    """One row's compile, in this process (``main`` runs each in a fresh one)."""
+def narrow_row(row: str, layers: int, device: str, max_cache_len: int):
+    """(model, empty cache, ``[2, 512]`` prompt) of one row on the narrow shape (random weights, seed 0)."""
     import torch
-    from torch._dynamo.utils import counters
-    from transformers import AutoModelForCausalLM, CompileConfig, LlamaConfig, StaticCache
+    from transformers import AutoModelForCausalLM, LlamaConfig, StaticCache
 
     from .. import FlexiCache, FlexiCacheConfig, HeadProfile
-    from .generate.device import compile_phases
 
     cfg = LlamaConfig(vocab_size=256, hidden_size=512, intermediate_size=1024, num_hidden_layers=layers,
                       num_attention_heads=32, num_key_value_heads=8, head_dim=16, max_position_embeddings=4096,
@@ -51,13 +49,24 @@ def run_row(row: str, layers: int, device: str) -> dict:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa" if row == "static" else "flexicache")
     model = model.to(device).eval()
-    ids, new = torch.randint(2, 250, (2, 512), device=device), 8
+    ids = torch.randint(2, 250, (2, 512), device=device)
     if row == "static":
-        cache = StaticCache(config=cfg, max_cache_len=512 + new)
-    else:
-        settings = FlexiCacheConfig(page_size=8, token_budget=128, group_score="mass", bound_shrink=0.5,
-                                    unstable_group_score="exact")
-        cache = FlexiCache(HeadProfile.random(cfg), settings, model_config=cfg, max_cache_len=512 + new)
+        return model, StaticCache(config=cfg, max_cache_len=max_cache_len), ids
+    settings = FlexiCacheConfig(page_size=8, token_budget=128, group_score="mass", bound_shrink=0.5,
+                                unstable_group_score="exact")
+    return model, FlexiCache(HeadProfile.random(cfg), settings, model_config=cfg, max_cache_len=max_cache_len), ids
+
+
+def run_row(row: str, layers: int, device: str) -> dict:
+    """One row's compile, in this process (``main`` runs each in a fresh one)."""
+    import torch
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig
+
+    from .generate.device import compile_phases
+
+    new = 8
+    model, cache, ids = narrow_row(row, layers, device, 512 + new)
     cc = CompileConfig(backend="inductor", fullgraph=True, mode=None)
     cc._compile_all_devices = True
     t0 = time.perf_counter()

@@ -101,6 +101,30 @@ def step_timeline(device_events: list[tuple], marks: list[float], *, skip: int =
     return [[round((s - t0) / 1e3, 1), round((e - s) / 1e3, 1), stream, name[:40]] for s, e, stream, name in ops]
 
 
+def launch_offsets(device_events: list[tuple], marks: list[float], launches: list[float], *,
+                   skip: int = PROFILE_SKIP) -> dict:
+    """Where a compiled step's time before its graph goes, median over the steps of :func:`gpu_busy`'s window:
+    ``host_to_launch_ms``, from the step's mark (the previous token stamped) to the host's first graph launch
+    (``generate``'s loop, the cache's eager hooks, dynamo's guards, the compiled wrappers); ``launch_to_device_ms``,
+    from that launch to the first device operation starting after it (the launch's own latency).  Empty without
+    graph launches in the window."""
+    marks = sorted(marks)
+    host, device = [], []
+    for t0, t1 in zip(marks[skip:], marks[skip + 1:]):
+        launch = min((t for t in launches if t0 <= t < t1), default=None)
+        if launch is None:
+            continue
+        host.append(launch - t0)
+        first = min((ev[0] for ev in device_events if launch <= ev[0] < t1), default=None)
+        if first is not None:
+            device.append(first - launch)
+    median = lambda xs: sorted(xs)[len(xs) // 2] / 1e6  # noqa: E731  (ns -> ms)
+    out = {"host_to_launch_ms": median(host)} if host else {}
+    if device:
+        out["launch_to_device_ms"] = median(device)
+    return out
+
+
 def device_kind(name: str, activity: str | None) -> str | None:
     """``kernel`` / ``memcpy`` / ``memset`` for a device-side profiler event, ``None`` for anything else
     (GPU user annotations: record_function ranges projected on the GPU timeline, which are no work)."""

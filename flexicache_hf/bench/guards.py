@@ -1,0 +1,100 @@
+"""What Dynamo does around a compiled decode step on every call: StaticCache against FlexiCache.
+
+    python -m flexicache_hf.bench.guards [--layers 32] [--rows static,flexicache] [--calls 300] [--json FILE]
+
+The compile benchmark's narrow Llama-3.1-8B shape (:func:`~flexicache_hf.bench.compile_time.narrow_row`: 32 layers,
+32 query and 8 KV heads, head dim 16; its two rows and settings), prompt filled eagerly, then the decode step compiled
+by Dynamo (``fullgraph``) with a backend that runs the graph once and afterwards returns that run's outputs: every
+later call costs only what Dynamo does around the graph — its guards, gathering the graph's inputs from the model and
+the cache, replaying side effects.  On a GPU the same runs before each CUDA-graph replay (then come AOTAutograd's and
+inductor's wrappers and cudagraph trees, not measured here).  Per row: microseconds a call (median of 5 rounds),
+the graph's inputs and nodes, and the guard tree's size: its lines, tensor matches, the tensors of the no-aliasing
+guard, and Python lambda guards (each a Python call).  The CPU measures it.  Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from . import emit_json
+from .compile_time import narrow_row
+
+
+def guard_tree(fn) -> str:
+    """The text of Dynamo's guard trees for the code objects behind ``fn`` (its ``__wrapped__`` chain)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    texts, seen = [], set()
+    while fn is not None:
+        code = getattr(fn, "__code__", None) or getattr(getattr(fn, "__func__", None), "__code__", None)
+        if code is not None and code not in seen:
+            seen.add(code)
+            texts.extend(str(entry.guard_manager) for entry in _debug_get_cache_entry_list(code))
+        fn = getattr(fn, "__wrapped__", None)
+    return "\n".join(texts)
+
+
+def guard_counts(text: str) -> dict:
+    """Sizes of a guard tree's text (:func:`guard_tree`)."""
+    return {"guard_lines": sum(1 for ln in text.splitlines() if ln.strip()),
+            "tensor_match": len(re.findall(r"\bTENSOR_MATCH\b", text)),
+            "no_aliasing_tensors": len(re.findall(r"\bNO_TENSOR_ALIASING\b", text)),
+            "lambda_guards": len(re.findall(r"\bLAMBDA_GUARD\b", text))}
+
+
+def run_row(row: str, layers: int, calls: int) -> dict:
+    import torch
+
+    torch._dynamo.reset()
+    model, cache, ids = narrow_row(row, layers, "cpu", 512 + 8)
+    L = ids.shape[1]
+    graph: dict = {}
+
+    def backend(gm, example_inputs):
+        graph.update(inputs=len(example_inputs), nodes=len(gm.graph.nodes))
+        out = gm(*example_inputs)
+        return lambda *args: out
+
+    with torch.no_grad():
+        model(ids, past_key_values=cache, cache_position=torch.arange(L))
+        step = torch.compile(model.forward, backend=backend, dynamic=False, fullgraph=True)
+        kw = dict(input_ids=ids[:, :1], past_key_values=cache, cache_position=torch.tensor([L]),
+                  position_ids=torch.full((ids.shape[0], 1), L))
+        step(**kw)
+        rounds = []
+        for _ in range(5):
+            t = time.perf_counter()
+            for _ in range(calls):
+                step(**kw)
+            rounds.append((time.perf_counter() - t) / calls)
+    return {"row": row, "layers": layers, "us_per_call": round(1e6 * statistics.median(rounds), 1),
+            "graph_inputs": graph.get("inputs"), "graph_nodes": graph.get("nodes"),
+            **guard_counts(guard_tree(model.forward))}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--rows", default="static,flexicache")
+    ap.add_argument("--calls", type=int, default=300, help="calls a round (5 rounds, the median reported)")
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args(argv)
+    rows = []
+    for row in a.rows.split(","):
+        rows.append(run_row(row, a.layers, a.calls))
+        print(f"{row}: {rows[-1]['us_per_call']} us a call, {rows[-1]['graph_inputs']} graph inputs, "
+              f"{rows[-1]['guard_lines']} guard lines", file=sys.stderr)
+    import torch
+
+    args = sys.argv[1:] if argv is None else argv
+    return emit_json({"command": "python -m flexicache_hf.bench.guards " + " ".join(args), "torch": torch.__version__,
+                      "rows": rows}, a.json)
+
+
+if __name__ == "__main__":
+    main()
