@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..hf_compat import forward_cache_kwarg
 from . import emit_json
 from .compile_time import narrow_row
 
@@ -60,11 +61,12 @@ def run_row(row: str, layers: int, calls: int) -> dict:
         out = gm(*example_inputs)
         return lambda *args: out
 
+    cache_kw = {forward_cache_kwarg(model): cache}  # the name this transformers' forward takes
     with torch.no_grad():
-        model(ids, past_key_values=cache, cache_position=torch.arange(L))
+        model(ids, cache_position=torch.arange(L), **cache_kw)
         step = torch.compile(model.forward, backend=backend, dynamic=False, fullgraph=True)
-        kw = dict(input_ids=ids[:, :1], past_key_values=cache, cache_position=torch.tensor([L]),
-                  position_ids=torch.full((ids.shape[0], 1), L))
+        kw = dict(input_ids=ids[:, :1], cache_position=torch.tensor([L]),
+                  position_ids=torch.full((ids.shape[0], 1), L), **cache_kw)
         step(**kw)
         rounds = []
         for _ in range(5):
