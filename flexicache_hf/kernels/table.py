@@ -251,7 +251,7 @@ def ops_named(name: str) -> KernelOps:
 
 def _make_triton(*, warm: bool) -> KernelOps:
     """The Triton backend, made once under the build lock (a first use meanwhile waits here, not on a second build
-    of the same things); ``warm``: the per-process setup too (:func:`_warm_cuda`; what fails there is left to
+    of the same things); ``warm``: Triton's per-process setup too (:func:`_warm_triton`; what fails there is left to
     Triton's own first use)."""
     with _building:
         ops = _backends.get(TRITON)
@@ -259,7 +259,7 @@ def _make_triton(*, warm: bool) -> KernelOps:
             ops = _backend(TRITON, lambda k: cuda_twin(k.name))
             if warm:
                 try:
-                    _warm_cuda()
+                    _warm_triton()
                 except Exception:  # noqa: BLE001 - e.g. no device: Triton's own first use reports it
                     pass
             _backends[TRITON] = ops
@@ -288,11 +288,10 @@ def _build_quietly() -> None:
         pass
 
 
-def _warm_cuda() -> None:
-    """What the CUDA backend makes once per process before its first use: Triton's cache key (a hash of its
-    library, kept by ``functools.cache``) and driver (a utilities module compiled from C on a cold disk cache: 1.5 s
-    of the H200's first prefill in run 25), and the tier-copy kernel, which NVRTC compiles for the current device
-    in every process (no disk cache) and its first use (a first decode step's loads) would otherwise wait for."""
+def _warm_triton() -> None:
+    """What Triton makes once per process before its first compile or cache lookup: its cache key (a hash of its
+    library, kept by ``functools.cache``) and its driver (a utilities module compiled from C on a cold disk cache:
+    1.5 s of the H200's first prefill in run 25)."""
     try:
         from triton.runtime.cache import triton_key
     except ImportError:  # older Triton
@@ -300,9 +299,6 @@ def _warm_cuda() -> None:
     triton_key()
     from triton.runtime.driver import driver
     driver.active  # noqa: B018 - made on first access
-    if torch.cuda.is_available():
-        from .uva_copy import build_copy_kernel
-        build_copy_kernel(torch.cuda.current_device())
 
 
 def _after_fork_in_child() -> None:

@@ -276,9 +276,3 @@ class PageCopier:
 _COPIER = PageCopier()
 copy_pages = _COPIER.copy_pages
 copy_kv_pages = _COPIER.copy_kv_pages
-
-
-def build_copy_kernel(index: int) -> bool:
-    """Build the process's copy kernel for CUDA device ``index`` now (``build_ahead``), as its first use would;
-    whether it is usable (a failure is what that first use would report: one warning, torch indexing after)."""
-    return _COPIER._kernel(index) is not None
