@@ -8,7 +8,8 @@ by Dynamo (``fullgraph``) with a backend that runs the graph once and afterwards
 later call costs only what Dynamo does around the graph — its guards, gathering the graph's inputs from the model and
 the cache, replaying side effects.  On a GPU the same runs before each CUDA-graph replay (then come AOTAutograd's and
 inductor's wrappers and cudagraph trees, not measured here).  Per row: microseconds a call (median of 5 rounds),
-the graph's inputs and nodes, and the guard tree's size: its lines, tensor matches, the tensors of the no-aliasing
+of them the guard check alone (the compiled frame's guards run on its locals), the graph's inputs and nodes, and
+the guard tree's size: its lines, tensor matches, the tensors of the no-aliasing
 guard, and Python lambda guards (each a Python call).  The CPU measures it.  Prints one JSON object.
 """
 
@@ -26,18 +27,45 @@ from . import emit_json
 from .compile_time import narrow_row
 
 
-def guard_tree(fn) -> str:
-    """The text of Dynamo's guard trees for the code objects behind ``fn`` (its ``__wrapped__`` chain)."""
+def compiled_frames(fn):
+    """``(function, its Dynamo cache entries)`` for each function of ``fn``'s ``__wrapped__`` chain (bound methods
+    unwrapped to their function) that Dynamo compiled a frame of."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    texts, seen = [], set()
+    seen = set()
     while fn is not None:
-        code = getattr(fn, "__code__", None) or getattr(getattr(fn, "__func__", None), "__code__", None)
+        func = getattr(fn, "__func__", fn)
+        code = getattr(func, "__code__", None)
         if code is not None and code not in seen:
             seen.add(code)
-            texts.extend(str(entry.guard_manager) for entry in _debug_get_cache_entry_list(code))
+            entries = _debug_get_cache_entry_list(code)
+            if entries:
+                yield func, entries
         fn = getattr(fn, "__wrapped__", None)
-    return "\n".join(texts)
+
+
+def guard_tree(fn) -> str:
+    """The text of Dynamo's guard trees for the code objects behind ``fn`` (its ``__wrapped__`` chain)."""
+    return "\n".join(str(entry.guard_manager) for _, entries in compiled_frames(fn) for entry in entries)
+
+
+def guard_check_us(fn, args: tuple, kwargs: dict, calls: int) -> float | None:
+    """Microseconds of the guard check alone of the frame Dynamo compiled for ``fn(*args, **kwargs)``: its first
+    cache entry's guards run on that frame's locals (the call's arguments bound to the compiled function, its
+    closure's cells); None where those locals do not pass (they are not the frame's)."""
+    import inspect
+
+    for func, entries in compiled_frames(fn):
+        local = dict(inspect.signature(func, follow_wrapped=False).bind(*args, **kwargs).arguments)
+        local.update(zip(func.__code__.co_freevars, (c.cell_contents for c in func.__closure__ or ())))
+        check = entries[0].guard_manager.check
+        if not check(local):
+            return None
+        t = time.perf_counter()
+        for _ in range(calls):
+            check(local)
+        return 1e6 * (time.perf_counter() - t) / calls
+    return None
 
 
 def guard_counts(text: str) -> dict:
@@ -68,13 +96,16 @@ def run_row(row: str, layers: int, calls: int) -> dict:
         kw = dict(input_ids=ids[:, :1], cache_position=torch.tensor([L]),
                   position_ids=torch.full((ids.shape[0], 1), L), **cache_kw)
         step(**kw)
-        rounds = []
+        rounds, checks = [], []
         for _ in range(5):
             t = time.perf_counter()
             for _ in range(calls):
                 step(**kw)
             rounds.append((time.perf_counter() - t) / calls)
+            checks.append(guard_check_us(model.forward, (model,), kw, calls))  # the frame gets self first
+    known = [c for c in checks if c is not None]
     return {"row": row, "layers": layers, "us_per_call": round(1e6 * statistics.median(rounds), 1),
+            "guard_check_us": round(statistics.median(known), 1) if known else None,
             "graph_inputs": graph.get("inputs"), "graph_nodes": graph.get("nodes"),
             **guard_counts(guard_tree(model.forward))}
 
