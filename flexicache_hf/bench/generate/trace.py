@@ -7,6 +7,8 @@ time.  Times are in ns (the kineto events'), ``FunctionEvent`` times are convert
 
 from __future__ import annotations
 
+import statistics
+
 from .clock import MARK
 
 PROFILE_SKIP = 3  # the profile window starts at the 4th stamp
@@ -118,10 +120,9 @@ def launch_offsets(device_events: list[tuple], marks: list[float], launches: lis
         first = min((ev[0] for ev in device_events if launch <= ev[0] < t1), default=None)
         if first is not None:
             device.append(first - launch)
-    median = lambda xs: sorted(xs)[len(xs) // 2] / 1e6  # noqa: E731  (ns -> ms)
-    out = {"host_to_launch_ms": median(host)} if host else {}
+    out = {"host_to_launch_ms": statistics.median(host) / 1e6} if host else {}  # ns -> ms
     if device:
-        out["launch_to_device_ms"] = median(device)
+        out["launch_to_device_ms"] = statistics.median(device) / 1e6
     return out
 
 
