@@ -301,8 +301,8 @@ else:
         B, H, cap = kmin.shape[0], kmin.shape[1], kmin.shape[2]
         active = torch.tensor([True, False, True, False])
         ref = R.page_scores(q, kmin, kmax, torch.arange(H), n, active, combine)
-        for block_p in (None, 4):
-            ours = page_scores(q, kmin, kmax, torch.arange(H), n, active, combine, block_p=block_p)
+        for block_p, programs in ((None, None), (4, None), (4, 1)):  # programs=1: one program strides a row
+            ours = page_scores(q, kmin, kmax, torch.arange(H), n, active, combine, block_p=block_p, programs=programs)
             assert ours.shape == ref.shape == (B, H, cap)
             ours = live_part(ours, n, active)
             assert torch.equal(torch.isneginf(ours), torch.isneginf(ref))

@@ -113,6 +113,7 @@ def page_scores(
     *,
     block_p: int | None = None,  # pages per program (benchmarks sweep it); None = 64 (32 for D > 128)
     num_warps: int | None = None,  # None = 8 for D >= 128, else 4
+    programs: int | None = None,  # programs per row at most (benchmarks sweep it); None = _util.strided_grid's
 ) -> torch.Tensor:  # [B, h, num_pages or P_cap] float32
     """Same contract as :func:`reference.page_scores` on the live pages of the active heads (the rest of a row
     as wide as the capacity is left unwritten); ``combine="mass"`` stores every query head's bound and
@@ -140,7 +141,8 @@ def page_scores(
     # 64 pages x D=128 per program: 2 x 32 KiB of fp16 MinMax per tile in registers (8 warps), enough
     # programs to fill the GPU from batch ~8 up (B * h * P / 64).
     block_p = block_p or (64 if D <= 128 else 32)
-    grid = (strided_grid(triton.cdiv(width, block_p), B * n_sel), B * n_sel)
+    per_row = strided_grid(triton.cdiv(width, block_p), B * n_sel)
+    grid = (per_row if programs is None else max(1, min(programs, per_row)), B * n_sel)
     _page_scores_kernel[grid](
         query, kmin, kmax, heads, active, num_pages, out, width, n_sel, *reference.narrowing(shrink),
         *query.stride(), *kmin.stride(),
