@@ -55,20 +55,6 @@ def force_pages(scores: torch.Tensor, num_pages, sink_pages: int, recent_pages: 
     return torch.where(forced & (scores > float("-inf")), float("inf"), scores)
 
 
-def keep_selected(scores: torch.Tensor, selected: torch.Tensor, margin: float,
-                  heads: torch.Tensor | None = None) -> None:
-    """In place: the scores ``[B, h, P]`` of each row's selected pages ``selected [B, h, K]`` (-1 padded) times
-    ``1 + margin`` (``FlexiCacheConfig.keep_margin``), on the rows of ``heads [h]`` (bool; ``None``: every row).
-    Gathers and scatters K entries a row, never the row's width; a pad entry rewrites its row's first selected page
-    with the same value (a row selecting nothing rewrites page 0 unchanged), so no two writes of one page differ."""
-    first = selected[..., :1]
-    idx = torch.where(selected >= 0, selected, first).clamp_(min=0)
-    factor = torch.where(first >= 0, 1.0 + margin, 1.0)
-    if heads is not None:
-        factor = torch.where(heads[None, :, None], factor, 1.0)
-    scores.scatter_(2, idx, scores.gather(2, idx) * factor)
-
-
 class Reranker:
     """Selection state of one layer: each head's current top-K pages, and the rule of what is scored / attended.
 
@@ -147,22 +133,19 @@ class Reranker:
         if not self.split_scoring:
             scores = self._scores(ops, query, kmin, kmax, self.all_heads, num_pages, active, scale,
                                   self.unstable_scoring if self.num_stable == 0 else self.stable_scoring, keys)
-            if self.keep_margin and self.num_stable:
-                keep_selected(scores, self.selected, self.keep_margin, self.is_stable)
-            ops.select_pages(scores, self.width, num_pages=num_pages, active=active, out=self.selected)
-        else:  # each kind of head by its own scoring and selected on its own: [B, h, K] moves, not score rows
+            margin = self.keep_margin if self.num_stable else 0.0  # the stable heads' hysteresis, in the select
+            ops.select_pages(scores, self.width, num_pages=num_pages, active=active, out=self.selected,
+                             keep_margin=margin, keep=self.is_stable if margin else None)
+        else:  # each kind of head by its own scoring, selected on its own straight into its rows of `selected`
             # (stable heads are active where due, unstable ones always: no per-head indexing of `active`)
-            parts = ((self.stable_heads, self.stable_scoring, None, due.expand(self.num_stable).contiguous()),
-                     (self.unstable_heads, self.unstable_scoring, keys, self.unstable_active))
+            parts = ((self.stable_heads, self.stable_scoring, None, due.expand(self.num_stable).contiguous(),
+                      self.keep_margin), (self.unstable_heads, self.unstable_scoring, keys, self.unstable_active, 0.0))
             rows = []
-            for heads, scoring, their_keys, their_active in parts:
+            for heads, scoring, their_keys, their_active, margin in parts:
                 rows.append(self._scores(ops, query, kmin, kmax, heads, num_pages, their_active, scale, scoring,
                                          their_keys))
-                picked = self.selected.index_select(1, heads)  # kept where a head is not due
-                if self.keep_margin and heads is self.stable_heads:
-                    keep_selected(rows[-1], picked, self.keep_margin)
-                ops.select_pages(rows[-1], self.width, num_pages=num_pages, active=their_active, out=picked)
-                self.selected.index_copy_(1, heads, picked)
+                ops.select_pages(rows[-1], self.width, num_pages=num_pages, active=their_active, out=self.selected,
+                                 heads=heads, keep_margin=margin)
             scores = None
             if with_scores:  # one [B, H, P_cap] row per head, for an observer and tests
                 scores = rows[0].new_empty((rows[0].shape[0], self.is_stable.numel(), rows[0].shape[2]))

@@ -9,7 +9,8 @@ from flexicache_hf import FlexiCache, FlexiCacheConfig, HeadProfile
 from flexicache_hf.config import ConfigError
 from flexicache_hf.eval.policies import Policy
 from flexicache_hf.kernels import ops_for
-from flexicache_hf.rerank import Reranker, keep_selected
+from flexicache_hf.kernels.reference import keep_selected
+from flexicache_hf.rerank import Reranker
 
 
 def test_keep_selected_scales_the_selected_pages_only():

@@ -54,16 +54,24 @@ def test_prompt_minmax_reduces_in_registers_with_wide_independent_loads():
     assert "st.global.v4.b32" in ptx  # the folded MinMax rows are written 16 bytes at a time
 
 
-def test_select_is_one_kernel_for_every_width_without_spills():
+@pytest.mark.parametrize("mapped", [False, True])
+def test_select_is_one_kernel_for_every_width_without_spills(mapped):
     """The select walks a row's live pages in blocks: rows reserved for 16k or 128k pages launch the kernel of a 2k
-    row (the old in-register select spilled at 16k), with no local-memory spills."""
+    row (the old in-register select spilled at 16k), with no local-memory spills; also as the split scoring launches
+    it (rows into mapped heads, the stable heads' margin scaled in place behind a barrier)."""
     from flexicache_hf.kernels.select import _select_pages_kernel, launch_config
 
     assert launch_config(2049) == launch_config(16384) == launch_config(131072) == (1024, 8)
     assert launch_config(40) == (64, 1)
-    sig = {"scores_ptr": "*fp32", "out_ptr": "*i64", "num_pages_ptr": "*i64", "active_ptr": "*i1", "K": "i32",
-           "h": "i32", "s_sr": "i32", "BLOCK": "constexpr", "BLOCK_K": "constexpr"}
-    ptx = ptx_of(_select_pages_kernel, sig, {"BLOCK": 1024, "BLOCK_K": 256}, num_warps=8, aligned=("s_sr",))
+    sig = {"scores_ptr": "*fp32", "out_ptr": "*i64", "num_pages_ptr": "*i64", "active_ptr": "*i1",
+           "heads_ptr": "*i64", "keep_ptr": "*i1", "margin": "fp32", "K": "i32", "h": "i32", "H_out": "i32",
+           "s_sr": "i32", "HEAD_MAP": "constexpr", "KEEP": "constexpr", "KEEP_ROWS": "constexpr",
+           "BLOCK": "constexpr", "BLOCK_K": "constexpr"}
+    flags = {"HEAD_MAP": mapped, "KEEP": mapped, "KEEP_ROWS": False}
+    ptx = ptx_of(_select_pages_kernel, sig, {"BLOCK": 1024, "BLOCK_K": 256, **flags}, num_warps=8,
+                 aligned=("s_sr",))
+    if mapped:
+        assert "bar.sync" in ptx  # the scaled scores are in place before the walks read them
     assert ".local" not in ptx  # every block's keys, the histogram and the prefix sums stay in registers / shared
 
 

@@ -20,7 +20,8 @@ SCHEMAS = {
     "page_lse": "(Tensor query, Tensor k_pool, Tensor page_table, Tensor heads, Tensor num_pages, Tensor valid_lo, "
                 "Tensor seq_len, float scale, Tensor? candidates=None) -> Tensor",
     "group_mass": "(Tensor scores, float scale, Tensor? num_pages, Tensor? active) -> Tensor",
-    "select_pages": "(Tensor scores, SymInt k, Tensor num_pages, Tensor active, Tensor(a4!) out) -> ()",
+    "select_pages": "(Tensor(a0!) scores, SymInt k, Tensor num_pages, Tensor active, Tensor(a4!) out, "
+                    "Tensor? heads=None, float keep_margin=0., Tensor? keep=None) -> ()",
     "sparse_decode": "(Tensor query, Tensor k_pool, Tensor v_pool, Tensor page_table, Tensor pages, "
                      "Tensor valid_lo, Tensor seq_len, float scale) -> Tensor",
     "copy_kv_pages": "(Tensor(a0!) dst_k, Tensor(a1!) dst_v, Tensor dst_index, Tensor src_k, Tensor src_v, "
@@ -72,8 +73,8 @@ def test_the_cpu_path_imports_no_cuda_twin():
     code = ("import sys, flexicache_hf, flexicache_hf.kernels as k; k.ops_for('cpu'); "
             "print(sorted(m for m in sys.modules if m.startswith('flexicache_hf.kernels.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert eval(out) == ["flexicache_hf.kernels.reference", "flexicache_hf.kernels.reference_schedule",
-                         "flexicache_hf.kernels.table"]
+    assert eval(out) == ["flexicache_hf.kernels.reference", "flexicache_hf.kernels.reference_copies",
+                         "flexicache_hf.kernels.reference_schedule", "flexicache_hf.kernels.table"]
 
 
 def test_the_cuda_backend_is_built_ahead_once_and_a_forked_child_can_build_it():

@@ -379,6 +379,30 @@ else:
         R.select_pages(s, k, num_pages=torch.tensor([n]), active=active, out=ref)
         assert torch.equal(select_pages(s, k, num_pages=torch.tensor([n]), active=active, out=before), ref)
 
+    @pytest.mark.parametrize("margin, keep", [(0.0, None), (1.0, None), (0.5, (True, False))])
+    def test_select_pages_into_mapped_heads_with_a_margin(margin, keep):
+        """Each kind of head selected straight into its heads of a wider selection (``heads``), with the stable
+        heads' margin applied in the kernel (``keep_margin``, on the ``keep`` rows): the reference's selection, the
+        other heads' rows untouched, and the scores scaled in place as the reference scales them."""
+        B, H, width, n, k = 2, 5, 120, 41, 6
+        g = torch.Generator().manual_seed(11)
+        heads, active = torch.tensor([3, 0]), torch.tensor([True, True])
+        keep_t = None if keep is None else torch.tensor(keep)
+        before = torch.stack([torch.randperm(n, generator=g)[:k].sort().values for _ in range(B * H)]).view(B, H, k)
+        before[0, 3, -2:] = -1  # a row holding fewer pages
+        s = torch.rand(B, 2, width, generator=g) + 0.1
+        want_s, ours_s = s.clone(), s.clone()
+        want, ours = before.clone(), before.clone()
+        R.select_pages(want_s, k, num_pages=torch.tensor([n]), active=active, out=want, heads=heads,
+                       keep_margin=margin, keep=keep_t)
+        select_pages(ours_s, k, num_pages=torch.tensor([n]), active=active, out=ours, heads=heads, keep_margin=margin,
+                     keep=keep_t, block=16)
+        assert torch.equal(ours, want)
+        assert torch.equal(ours[:, [1, 2, 4]], before[:, [1, 2, 4]])
+        torch.testing.assert_close(ours_s[..., :n], want_s[..., :n])
+        if margin:
+            assert not torch.equal(want_s, s)  # the margin did scale some pages
+
     @pytest.mark.parametrize("P,k", [(1, 4), (5, 8), (40, 4), (40, 40), (300, 16), (1000, 128), (2100, 130)])
     def test_select_pages(P, k):
         torch.manual_seed(P + k)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..config import GROUP_SCORES
+from .reference_copies import copy_kv_pages, copy_pages, copy_rows, join_loads, load_pages_behind  # noqa: F401
 
 NEG_INF = float("-inf")
 
@@ -252,25 +253,42 @@ def exact_page_mass(query, k_pool, page_table, heads, num_pages, valid_lo, seq_l
                 num_pages, active)
 
 
+def keep_selected(scores: torch.Tensor, selected: torch.Tensor, margin: float, rows: torch.Tensor | None = None):
+    """In place: the scores ``[B, h, P]`` of each row's selected pages ``selected [B, h, K]`` (-1 padded) times
+    ``1 + margin``, on the rows of heads ``rows [h]`` (bool; None: all); a pad entry rewrites its row's first page."""
+    first = selected[..., :1]
+    idx = torch.where(selected >= 0, selected, first).clamp_(min=0)
+    factor = torch.where(first >= 0, 1.0 + margin, 1.0)
+    factor = factor if rows is None else torch.where(rows[None, :, None], factor, 1.0)
+    scores.scatter_(2, idx, scores.gather(2, idx) * factor)
+
+
 def select_pages(
     scores: torch.Tensor,  # [B, h, P] float32; -inf = not selectable
     k: int,
     *,
     num_pages: torch.Tensor | None = None,  # [1] int64: rows hold this many pages (None: P)
     active: torch.Tensor | None = None,  # [h] bool: rows to select (with ``out``; None: all)
-    out: torch.Tensor | None = None,  # [B, h, k] int64: write the active rows here, leave the others
-) -> torch.Tensor:  # [B, h, k] int64, ascending page ids, -1 padded at the end
-    """Top-``k`` pages per (sequence, head), always keeping the last page (the one being appended to).
-
-    When fewer than ``k`` pages are selectable, every selectable page is returned and the rest is ``-1``.
-    """
+    out: torch.Tensor | None = None,  # [B, h, k] (with heads [B, H, k]) int64: the active rows written here
+    heads: torch.Tensor | None = None,  # [h] int64 (with out): out's head of each row
+    keep_margin: float = 0.0,  # (with out) a row's pages held in out now score (1 + m) x theirs, in place
+    keep: torch.Tensor | None = None,  # [h] bool: the rows keep_margin applies to (None: all)
+) -> torch.Tensor:  # [B, h, k] int64, ascending page ids, -1 padded at the end (``out`` when given)
+    """Top-``k`` pages per (sequence, head), always keeping the last page (the one being appended to); fewer
+    selectable pages than ``k``: all of them, then ``-1``.  ``out``: the active rows written there (row ``j`` into
+    head ``heads[j]``), the rest left; ``keep_margin``: the stable heads' hysteresis (:func:`keep_selected` first)."""
     if num_pages is not None:
         scores = scores[:, :, : host_int(num_pages)]
     if out is not None:
-        pages = select_pages(scores, k)
-        keep = torch.ones(scores.shape[1], dtype=torch.bool, device=out.device) if active is None else active.to(out.device)
-        out.copy_(torch.where(keep[None, :, None], pages.to(out.device), out))
-        return out
+        h = scores.shape[1]
+        act = torch.ones(h, dtype=torch.bool, device=out.device) if active is None else active.to(out.device)
+        now = out if heads is None else out.index_select(1, heads)
+        if keep_margin:
+            keep_selected(scores, now, keep_margin, act if keep is None else act & keep)
+        pages = torch.where(act[None, :, None], select_pages(scores, k).to(out.device), now)
+        return out.copy_(pages) if heads is None else out.index_copy_(1, heads, pages)
+    if heads is not None or keep_margin:
+        raise ValueError("select_pages: heads and keep_margin need out (the selection they map into / keep)")
     B, h, P = scores.shape
     s = scores.clone()
     s[:, :, P - 1] = float("inf")  # the page holding the newest token is always attended
@@ -406,45 +424,3 @@ def reseat_slots(
     phys = torch.where(promote, slot_phys.gather(-1, slot), torch.full_like(slot, -1))
     set_table_entries(table_buffer, slot_heads, num_heads, pages, phys)
     return pages, phys
-
-
-def copy_pages(
-    dst: torch.Tensor,  # [N_dst, page_size, D]
-    dst_index: torch.Tensor,  # [M] int64 destination pages; -1 = skip
-    src: torch.Tensor,  # [N_src, page_size, D] (may live on another device, e.g. pinned host memory)
-    src_index: torch.Tensor,  # [M] int64 source pages; ignored where dst_index is -1
-) -> None:
-    """Page gather/scatter between tiers: ``dst[dst_index[i]] = src[src_index[i]]`` for listed i."""
-    keep = dst_index >= 0
-    d = dst_index[keep].to(dst.device)
-    s = src_index[keep].to(src.device)
-    dst[d] = src[s].to(dst.device, non_blocking=True)
-
-
-def copy_kv_pages(dst_k: torch.Tensor, dst_v: torch.Tensor, dst_index: torch.Tensor, src_k: torch.Tensor,
-                  src_v: torch.Tensor, src_index: torch.Tensor) -> None:
-    """:func:`copy_pages` of the K pools and of the V pools at the same indices (the CUDA kernel does both in one
-    launch)."""
-    copy_pages(dst_k, dst_index, src_k, src_index)
-    copy_pages(dst_v, dst_index, src_v, src_index)
-
-
-def load_pages_behind(dst_k: torch.Tensor, dst_v: torch.Tensor, dst_index: torch.Tensor, src_k: torch.Tensor,
-                      src_v: torch.Tensor, src_index: torch.Tensor, token: torch.Tensor, after: torch.Tensor) -> None:
-    """:func:`copy_kv_pages` behind the compute (CUDA: on the load stream :func:`join_loads` joins; ``token`` orders
-    the two, ``after``, not read, puts it after the attention that read the slots it writes).  Here: at once."""
-    copy_kv_pages(dst_k, dst_v, dst_index, src_k, src_v, src_index)
-
-
-def join_loads(token: torch.Tensor) -> None:
-    """The compute waits for every :func:`load_pages_behind` of ``token``'s device (here: none is pending)."""
-
-
-def copy_rows(
-    dst: torch.Tensor,  # [B, H, P, n, D] (e.g. a span of the page-major host tier, pages.Span) or [B, H, T, D]
-    src: torch.Tensor,  # the same shape (may live on another device)
-) -> None:
-    """Token rows between tiers: ``dst[...] = src`` (each (row, head, page) run of ``n * D`` elements contiguous on
-    both sides; a ``[B, H, T, D]`` pair is one run per (row, head))."""
-    dst.copy_(src)
-

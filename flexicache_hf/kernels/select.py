@@ -12,7 +12,10 @@ first ``== threshold`` ties by page id, in ascending order (a prefix sum of the 
 running count across blocks), then the ``-1`` padding.  No sort, no second kernel: torch's ``topk`` + ``sort`` +
 padding is 4-6 launches.
 
-Rows of heads not ``active`` (with ``out``) are left as they are: their programs read and write nothing.
+Rows of heads not ``active`` (with ``out``) are left as they are: their programs read and write nothing.  With
+``heads`` a program writes its row into head ``heads[j]`` of a wider ``out`` (each kind of head selected on its own
+straight into a layer's selection, no gather and scatter of its rows around the launch); with ``keep_margin`` it
+first multiplies, in place, the scores of the pages that row of ``out`` holds now (a barrier, then the walks).
 """
 
 from __future__ import annotations
@@ -37,23 +40,43 @@ def _keys(row_ptr, idx, P):
     return key.to(tl.uint32, bitcast=True) ^ 0x80000000, live
 
 
-@triton.jit(do_not_specialize=["K", "h"])
+@triton.jit(do_not_specialize=["K", "h", "H_out", "margin"])
 def _select_pages_kernel(
     scores_ptr,  # [R, >= P] float32 rows of scores (R = B * h); -inf = not selectable
-    out_ptr,  # [R, K] int64 selected pages, ascending, -1 padded (rows of inactive heads are left as they are)
+    out_ptr,  # [B, H_out, K] int64 selected pages, ascending, -1 padded (rows of inactive heads left as they are)
     num_pages_ptr,  # [1] int64 P: live pages per row (read on the device: graph replays see the current count)
     active_ptr,  # [h] bool: heads whose rows are selected now
+    heads_ptr,  # [h] int64 (HEAD_MAP): the head of out each row goes to; else row j is head j (H_out = h)
+    keep_ptr,  # [h] bool (KEEP_ROWS): the rows the margin applies to; else every row (with KEEP)
+    margin,  # KEEP: the pages a row holds in out now score (1 + margin) times theirs
     K,
     h,
+    H_out,
     s_sr,  # row stride of scores (its page stride is 1)
+    HEAD_MAP: tl.constexpr,
+    KEEP: tl.constexpr,
+    KEEP_ROWS: tl.constexpr,
     BLOCK: tl.constexpr,  # scores per block of the walks over a row's live pages
     BLOCK_K: tl.constexpr,  # pow2(K): the padding's store
 ):
     r = tl.program_id(0).to(tl.int64)
-    if tl.load(active_ptr + r % h).to(tl.int32) != 0:
+    j = r % h
+    if tl.load(active_ptr + j).to(tl.int32) != 0:
         P = tl.load(num_pages_ptr)
         row_ptr = scores_ptr + r * s_sr
-        out_row = out_ptr + r * K
+        if HEAD_MAP:
+            out_row = out_ptr + ((r // h) * H_out + tl.load(heads_ptr + j)) * K
+        else:
+            out_row = out_ptr + r * K
+        if KEEP:
+            held_k = K
+            if KEEP_ROWS:
+                held_k = tl.where(tl.load(keep_ptr + j).to(tl.int32) != 0, K, 0)
+            kk = tl.arange(0, BLOCK_K)
+            now = tl.load(out_row + kk, mask=kk < held_k, other=-1)  # the row's selection before this one
+            held = (now >= 0) & (now < P)
+            tl.store(row_ptr + now, tl.load(row_ptr + now, mask=held, other=0.0) * (1.0 + margin), mask=held)
+            tl.debug_barrier()  # every thread's scaled scores in place before the walks read them
         offs = tl.arange(0, BLOCK)
         bins = tl.arange(0, 256)
         # The threshold t = the need-th largest key, one 8-bit digit a pass from the top.  Invariants: the keys
@@ -107,14 +130,19 @@ def select_pages(
     *,
     num_pages: torch.Tensor | None = None,  # [1] int64 live pages per row (None: P); only these are read
     active: torch.Tensor | None = None,  # [h] bool rows to select (with ``out``)
-    out: torch.Tensor | None = None,  # [B, h, k] int64 contiguous, written in place (active rows only)
+    out: torch.Tensor | None = None,  # [B, h, k] ([B, H, k] with heads) int64 contiguous, written in place
+    heads: torch.Tensor | None = None,  # [h] int64 (with ``out``): the head of out each row is
+    keep_margin: float = 0.0,  # (with ``out``) the pages a row holds in out now score (1 + m) times theirs
+    keep: torch.Tensor | None = None,  # [h] bool: the rows keep_margin applies to (None: all)
     block: int | None = None,  # scores per block (a power of two); benchmarks and tests set it
     num_warps: int | None = None,
-) -> torch.Tensor:  # [B, h, k] int64, ascending page ids, -1 padded at the end
+) -> torch.Tensor:  # [B, h, k] int64, ascending page ids, -1 padded at the end (``out`` when given)
     """Same contract as :func:`reference.select_pages` (ties at the threshold: lowest page ids win), for rows of
     any width; the work and memory traffic follow ``num_pages``, not ``P``."""
     B, h, P = scores.shape
     if out is None:
+        if heads is not None or keep_margin:
+            raise ValueError("select_pages: heads and keep_margin need out (the selection they map into / keep)")
         out = torch.empty((B, h, k), dtype=torch.long, device=scores.device)
     elif not out.is_contiguous():
         raise ValueError("select_pages needs a contiguous out")
@@ -123,15 +151,21 @@ def select_pages(
     if active is None:
         active = torch.ones(h, dtype=torch.bool, device=scores.device)
     if P == 0:  # no pages: every active row is padding
-        return out.copy_(torch.where(active.view(1, h, 1), -1, out))
+        now = out if heads is None else out.index_select(1, heads)
+        pad = torch.where(active.view(1, h, 1), -1, now)
+        return out.copy_(pad) if heads is None else out.index_copy_(1, heads, pad)
     rows = scores.reshape(B * h, P)
-    if rows.stride(1) != 1:
+    if rows.stride(1) != 1 or (keep_margin and rows.data_ptr() != scores.data_ptr()):
+        if keep_margin:  # the margin scales the caller's scores in place: a copy would lose that
+            raise ValueError("select_pages with keep_margin needs scores whose rows are contiguous")
         rows = rows.contiguous()
     if num_pages is None:
         num_pages = torch.full((1,), P, dtype=torch.long, device=scores.device)
     default_block, default_warps = launch_config(P)
     _select_pages_kernel[(B * h,)](
-        rows, out, num_pages, active, k, h, rows.stride(0),
+        rows, out, num_pages, active, active if heads is None else heads, active if keep is None else keep,
+        float(keep_margin), k, h, out.shape[1], rows.stride(0),
+        HEAD_MAP=heads is not None, KEEP=bool(keep_margin), KEEP_ROWS=keep is not None,
         BLOCK=block or default_block, BLOCK_K=pow2(k, 16), num_warps=num_warps or default_warps,
     )
     return out

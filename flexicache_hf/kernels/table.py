@@ -100,7 +100,8 @@ KERNELS = (
     # beat it at every benchmark shape on the H200, 7-24 us vs 38-94 us for 8-512 rows of 625-1875 pages
     # (docs/benchmarks/decode.md, rerank.json).  The select walks only each row's live pages, rows of any width.
     Kernel("select_pages", reference.select_pages, "select",
-           "(Tensor scores, SymInt k, Tensor num_pages, Tensor active, Tensor(a4!) out) -> ()", result="out"),
+           "(Tensor(a0!) scores, SymInt k, Tensor num_pages, Tensor active, Tensor(a4!) out, Tensor? heads=None, "
+           "float keep_margin=0.0, Tensor? keep=None) -> ()", result="out"),
     Kernel("sparse_decode", reference.sparse_decode, "sparse_decode",
            "(Tensor query, Tensor k_pool, Tensor v_pool, Tensor page_table, Tensor pages, Tensor valid_lo, "
            "Tensor seq_len, float scale) -> Tensor", _attention_like),
