@@ -36,7 +36,8 @@ def run(page: int, copiers: dict, head_dim: int = 128) -> list[dict]:
         listed = (di >= 0).nonzero().squeeze(1)
         di_d, si_d = di.cuda(), si.cuda()
         for grid, copier in copiers.items():
-            dk.zero_(), dv.zero_()
+            dk.zero_()
+            dv.zero_()
             copier.copy_kv_pages(dk, dv, di_d, hk, hv, si_d)
             torch.cuda.synchronize()
             exact = all(torch.equal(d[di[listed].cuda()].cpu(), h[si[listed]]) for d, h in ((dk, hk), (dv, hv)))

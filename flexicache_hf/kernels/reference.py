@@ -255,7 +255,9 @@ def exact_page_mass(query, k_pool, page_table, heads, num_pages, valid_lo, seq_l
 
 def keep_selected(scores: torch.Tensor, selected: torch.Tensor, margin: float, rows: torch.Tensor | None = None):
     """In place: the scores ``[B, h, P]`` of each row's selected pages ``selected [B, h, K]`` (-1 padded) times
-    ``1 + margin``, on the rows of heads ``rows [h]`` (bool; None: all); a pad entry rewrites its row's first page."""
+    ``1 + margin`` (``FlexiCacheConfig.keep_margin``), on the rows of heads ``rows [h]`` (bool; ``None``: every row).
+    Gathers and scatters K entries a row, never the row's width; a pad entry rewrites its row's first selected page
+    with the same value (a row selecting nothing rewrites page 0 unchanged), so no two writes of one page differ."""
     first = selected[..., :1]
     idx = torch.where(selected >= 0, selected, first).clamp_(min=0)
     factor = torch.where(first >= 0, 1.0 + margin, 1.0)

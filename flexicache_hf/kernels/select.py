@@ -155,9 +155,10 @@ def select_pages(
         pad = torch.where(active.view(1, h, 1), -1, now)
         return out.copy_(pad) if heads is None else out.index_copy_(1, heads, pad)
     rows = scores.reshape(B * h, P)
-    if rows.stride(1) != 1 or (keep_margin and rows.data_ptr() != scores.data_ptr()):
-        if keep_margin:  # the margin scales the caller's scores in place: a copy would lose that
-            raise ValueError("select_pages with keep_margin needs scores whose rows are contiguous")
+    if keep_margin and (rows.stride(1) != 1 or rows.data_ptr() != scores.data_ptr()):
+        # the margin scales the caller's scores in place: a copy of them would lose that
+        raise ValueError("select_pages with keep_margin needs scores whose rows are contiguous")
+    if rows.stride(1) != 1:
         rows = rows.contiguous()
     if num_pages is None:
         num_pages = torch.full((1,), P, dtype=torch.long, device=scores.device)
