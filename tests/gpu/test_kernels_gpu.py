@@ -266,6 +266,36 @@ def test_select_pages_reads_only_the_live_pages(n, width, k):
     assert torch.equal(out, torch.where(active[None, :, None], top_k_lowest_ids(s, k, n), before))
 
 
+@pytest.mark.parametrize("margin, keep", [(0.0, None), (1.0, None), (1.0, (True, False, True, True, False))])
+def test_select_pages_into_mapped_heads_with_a_margin_at_scale(margin, keep):
+    """The README call's stable-head select: 16 rows x 5 of 8 heads, rows reserved for 128k tokens, 2049 live pages,
+    K 256, written straight into heads (6, 0, 2, 3, 5) of the layer's selection with the margin applied in the
+    kernel: the reference's selection and scaled scores, the other heads' rows untouched."""
+    from flexicache_hf.kernels import reference as R
+    from flexicache_hf.kernels import TRITON_OPS
+
+    g = torch.Generator(device=DEV).manual_seed(int(margin * 10) + (keep is not None))
+    B, H, width, n, k = 16, 8, 16384, 2049, 256
+    heads = torch.tensor([6, 0, 2, 3, 5], device=DEV)
+    active = torch.tensor([True, True, False, True, True], device=DEV)
+    keep_t = None if keep is None else torch.tensor(keep, device=DEV)
+    before = R.select_pages(torch.randn(B, H, n, generator=g, device=DEV), k)
+    before[0, 6, -9:] = -1  # a row holding fewer pages
+    s = torch.rand(B, 5, width, generator=g, device=DEV) + 0.1
+    s[:, :, n:] = float("nan")
+    want_s, ours_s = s.clone(), s.clone()
+    want, ours = before.clone(), before.clone()
+    live = torch.tensor([n], device=DEV)
+    R.select_pages(want_s, k, num_pages=live, active=active, out=want, heads=heads, keep_margin=margin, keep=keep_t)
+    TRITON_OPS.select_pages(ours_s, k, num_pages=live, active=active, out=ours, heads=heads, keep_margin=margin,
+                            keep=keep_t)
+    assert torch.equal(ours, want)
+    assert torch.equal(ours[:, [1, 4, 7]], before[:, [1, 4, 7]])
+    torch.testing.assert_close(ours_s[..., :n], want_s[..., :n])
+    if margin:
+        assert not torch.equal(want_s[..., :n], s[..., :n])
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_append_token_matches_reference_large(dtype):
     """One decode token of 64 rows x 8 heads (Llama-8B head shape) into shuffled pool rows, bit-exact."""
