@@ -123,6 +123,20 @@ def test_strided_grid_caps_programs_over_rows():
     assert strided_grid(5, 10**6) == 1 and strided_grid(1, 0) == 1
 
 
+def test_page_scores_programs_per_row():
+    """page_scores starts ROW_PROGRAMS programs a row (each striding over its tiles), more when too few rows would
+    leave multiprocessors idle, never more than a row has tiles nor than the launch-wide cap allows."""
+    import torch
+
+    from flexicache_hf.kernels.scores import ROW_PROGRAMS, row_programs
+
+    cpu = torch.device("cpu")  # counts as 8 multiprocessors
+    assert row_programs(512, 40, cpu) == ROW_PROGRAMS  # 8 rows x 5 heads, 16k-page rows: capped
+    assert row_programs(512, 1, cpu) == ROW_PROGRAMS  # one row: 16 already fills 2 x 8 multiprocessors
+    assert row_programs(3, 40, cpu) == 3  # a sized cache's short row: its tiles
+    assert row_programs(512, 10**6, cpu) == 1  # the launch-wide cap wins
+
+
 if not INTERPRETED:
 
     def test_triton_kernels_under_interpreter():

@@ -8,7 +8,7 @@ query head of the KV head's group against it, keeping the maximum: the MinMax ca
 scored head, which is the whole cost of this memory-bound step.  Only the blocks of pages before ``num_pages`` (a
 device scalar) of an active head are visited: a row reserved for the whole context, mostly blocks past it, and the
 row of a head not scored now are left unwritten (the live part, :mod:`.reference`); the grid is capped
-(``_util.strided_grid``) and each program strides over its row's live blocks.
+(:func:`row_programs`) and each program strides over its row's live blocks.
 """
 
 from __future__ import annotations
@@ -18,8 +18,22 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._util import pow2, strided_grid
+from ._util import num_sms, pow2, strided_grid
 from .mass import group_mass
+
+
+# Programs a row of a launch starts, at most, unless fewer rows than fill the GPU twice.  Measured on an H100 at the
+# README call's layer (8 and 16 rows x 5 stable heads, rows reserved for 128k tokens, 2,048 live pages, D 128;
+# NOTES, run 29): 32-page tiles and 4 warps, 16 programs a row: 28 / 48 us with the heads active (the 64-page,
+# 8-warp tiles and the 4,096-program grid before: 52 / 89 us) and 2.9 / 3.5 us on a step that scores none (13.2 /
+# 13.4 us: every program of the whole reserved width read ``active`` and left).
+ROW_PROGRAMS = 16
+
+
+def row_programs(blocks: int, rows: int, device: torch.device) -> int:
+    """Programs along a row of ``blocks`` tiles: :data:`ROW_PROGRAMS`, or enough to start two a multiprocessor over
+    ``rows`` rows; never more than ``_util.strided_grid`` allows nor than the row has tiles."""
+    return min(strided_grid(blocks, rows), max(ROW_PROGRAMS, -(-2 * num_sms(device) // max(rows, 1))))
 
 
 @triton.jit(do_not_specialize=["width", "n_sel", "near", "far"])
@@ -111,9 +125,9 @@ def page_scores(
     scale: float | None = None,  # "mass": the attention's softmax scale (None: D ** -0.5)
     shrink: float = 1.0,  # FlexiCacheConfig.bound_shrink
     *,
-    block_p: int | None = None,  # pages per program (benchmarks sweep it); None = 64 (32 for D > 128)
-    num_warps: int | None = None,  # None = 8 for D >= 128, else 4
-    programs: int | None = None,  # programs per row at most (benchmarks sweep it); None = _util.strided_grid's
+    block_p: int | None = None,  # pages per program (benchmarks sweep it); None = 64 for D <= 64, else 32
+    num_warps: int | None = None,  # None = 4
+    programs: int | None = None,  # programs per row at most (benchmarks sweep it); None = row_programs's
 ) -> torch.Tensor:  # [B, h, num_pages or P_cap] float32
     """Same contract as :func:`reference.page_scores` on the live pages of the active heads (the rest of a row
     as wide as the capacity is left unwritten); ``combine="mass"`` stores every query head's bound and
@@ -138,16 +152,17 @@ def page_scores(
         # rare: give kmax kmin's layout so one set of strides addresses both
         kmax = torch.empty_strided(kmin.size(), kmin.stride(), dtype=kmax.dtype, device=kmax.device).copy_(kmax)
     heads = heads.to(device=query.device, dtype=torch.long)
-    # 64 pages x D=128 per program: 2 x 32 KiB of fp16 MinMax per tile in registers (8 warps), enough
-    # programs to fill the GPU from batch ~8 up (B * h * P / 64).
-    block_p = block_p or (64 if D <= 128 else 32)
-    per_row = strided_grid(triton.cdiv(width, block_p), B * n_sel)
-    grid = (per_row if programs is None else max(1, min(programs, per_row)), B * n_sel)
+    # 32 pages x D=128 a program (2 x 8 KiB of bf16 MinMax a tile, 4 warps): measured faster than 64 x 128 on 8 warps
+    # at the README call's shape (ROW_PROGRAMS' note); D <= 64 keeps 64-page tiles of the same bytes.
+    block_p = block_p or (64 if D <= 64 else 32)
+    blocks = triton.cdiv(width, block_p)
+    per_row = row_programs(blocks, B * n_sel, query.device) if programs is None else min(programs, blocks)
+    grid = (max(1, per_row), B * n_sel)
     _page_scores_kernel[grid](
         query, kmin, kmax, heads, active, num_pages, out, width, n_sel, *reference.narrowing(shrink),
         *query.stride(), *kmin.stride(),
         GROUP=Hq // H, GROUP_MAX=group_max, SHRUNK=shrink != 1.0, D=D, BLOCK_D=pow2(D), BLOCK_P=block_p,
-        num_warps=num_warps or (8 if D >= 128 else 4),
+        num_warps=num_warps or 4,
     )
     if group_max:
         return out

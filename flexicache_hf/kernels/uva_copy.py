@@ -11,8 +11,9 @@ needs no host synchronisation: ``-1`` entries are skipped on the device, the ind
 Following the paper (§3.3), the copy stays out of the way of the compute kernels:
 
 * it is launched on the *current* torch stream, which the cache sets to its low-priority copy stream;
-* host-touching copies use a capped grid (32 blocks: already enough to saturate PCIe 5 x16; each block
-  moves one 4 KiB page per pass with 16-byte vector accesses), so they never hold many SMs;
+* host-touching copies use a capped grid (32 blocks), so they never hold many SMs; each thread loads
+  four 16-byte vectors of each pool before it stores them, so a block keeps 32 KiB of a K and V copy in
+  flight (whole 2 KiB pages at 8 tokens x 128 x bf16), enough for the grid to fill PCIe 5 x16;
 * long copies are cut into several short launches (``chunk_pages`` pages each), between which the
   scheduler can run higher-priority compute kernels.
 
@@ -33,27 +34,61 @@ from ..cuda_context import cuda_core, make_current
 from . import reference
 
 _SOURCE = r"""
-// dst[dst_index[i]] = src[src_index[i]] for i in [0, m) with dst_index[i] >= 0; pages of page_bytes bytes.
-// Either pointer may be pinned host memory (UVA). One block copies one page per pass with `vec`-byte
-// accesses (16 when page size and both pool bases allow it), striding over the page list by gridDim.x.
-// Own 16-byte type (no header needed under NVRTC): one 128-bit load/store per thread and pass.
+// dst[dst_index[i]] = src[src_index[i]] for i in [0, m) with dst_index[i] >= 0; pages of n_vec vectors of T.
+// Either pointer may be pinned host memory (UVA). A block's pass moves a tile of UNROLL * blockDim.x vectors: as
+// many whole list entries as fit in it (small pages), or one tile of one entry (pages larger than a tile). Each
+// thread issues all its loads of a pass (both pools when paired) before its first store, so a block keeps
+// UNROLL x 2 x 16 bytes a thread in flight: a host read over PCIe waits ~1-2 us, and the bandwidth a grid gets
+// is the bytes it keeps in flight over that wait (one page at a time per block held 2 KiB pages of K and V,
+// 8 tokens x 128 x bf16, at about half of PCIe).
+// Own 16-byte type (no header needed under NVRTC): one 128-bit load/store per thread and vector.
 struct __align__(16) Vec16 { unsigned long long lo, hi; };
+#define UNROLL 4
 
-// No __restrict__ on the source: that would turn reads into ld.global.nc (read-only cache path), and pinned
+// No __restrict__ on the sources: that would turn reads into ld.global.nc (read-only cache path), and pinned
 // host memory reached through UVA is better served by plain loads (PCIe-bound either way).
 template <typename T>
-__device__ __forceinline__ void copy_one(char* d, const char* s, long long n_vec) {
-    T* dv = reinterpret_cast<T*>(d);
-    const T* sv = reinterpret_cast<const T*>(s);
-    for (long long j = threadIdx.x; j < n_vec; j += blockDim.x) dv[j] = sv[j];
-}
-
-__device__ __forceinline__ void copy_page(char* dp, const char* sp, long long page_bytes, int vec) {
-    switch (vec) {
-        case 16: copy_one<Vec16>(dp, sp, page_bytes / 16); break;
-        case 8: copy_one<unsigned long long>(dp, sp, page_bytes / 8); break;
-        case 4: copy_one<unsigned int>(dp, sp, page_bytes / 4); break;
-        default: copy_one<unsigned char>(dp, sp, page_bytes); break;
+__device__ __forceinline__ void copy_list(char* dst_, const long long* __restrict__ dst_index, const char* src_,
+                                          const long long* __restrict__ src_index, long long m, unsigned n,
+                                          char* dst2_, const char* src2_) {
+    T* dst = reinterpret_cast<T*>(dst_);
+    T* dst2 = reinterpret_cast<T*>(dst2_);
+    const T* src = reinterpret_cast<const T*>(src_);
+    const T* src2 = reinterpret_cast<const T*>(src2_);
+    const unsigned tile = blockDim.x * UNROLL;
+    const bool small = n <= tile;
+    const unsigned per = small ? tile / n : 1;                  // entries a pass takes
+    const unsigned span = small ? per * n : tile;               // vectors a pass covers
+    const long long parts = small ? 1 : (n + tile - 1) / tile;  // passes one entry takes (large pages)
+    const long long passes = (m + per - 1) / per * parts;
+    for (long long pass = blockIdx.x; pass < passes; pass += gridDim.x) {
+        const long long first = pass / parts * per;
+        const unsigned off = (unsigned)(pass % parts) * tile;
+        T a[UNROLL], b[UNROLL];
+        long long at[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const unsigned l = u * blockDim.x + threadIdx.x;
+            const unsigned k = small ? l / n : 0;
+            const unsigned j = off + l - k * n;
+            at[u] = -1;
+            if (l < span && j < n && first + k < m) {
+                const long long d = dst_index[first + k];
+                if (d >= 0) {  // "no page": skipped on the device, no host sync needed
+                    const long long s = src_index[first + k] * n + j;
+                    a[u] = src[s];
+                    if (dst2 != nullptr) b[u] = src2[s];
+                    at[u] = d * n + j;
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            if (at[u] >= 0) {
+                dst[at[u]] = a[u];
+                if (dst2 != nullptr) dst2[at[u]] = b[u];
+            }
+        }
     }
 }
 
@@ -62,12 +97,11 @@ extern "C" __global__ void flexicache_copy_pages(char* dst, const long long* __r
                                                  const char* src, const long long* __restrict__ src_index,
                                                  long long m, long long page_bytes, int vec,
                                                  char* dst2, const char* src2) {
-    for (long long i = blockIdx.x; i < m; i += gridDim.x) {
-        const long long d = dst_index[i];
-        if (d < 0) continue;  // "no page": skipped on the device, no host sync needed
-        const long long s = src_index[i];
-        copy_page(dst + d * page_bytes, src + s * page_bytes, page_bytes, vec);
-        if (dst2 != nullptr) copy_page(dst2 + d * page_bytes, src2 + s * page_bytes, page_bytes, vec);
+    switch (vec) {
+        case 16: copy_list<Vec16>(dst, dst_index, src, src_index, m, (unsigned)(page_bytes / 16), dst2, src2); break;
+        case 8: copy_list<unsigned long long>(dst, dst_index, src, src_index, m, (unsigned)(page_bytes / 8), dst2, src2); break;
+        case 4: copy_list<unsigned int>(dst, dst_index, src, src_index, m, (unsigned)(page_bytes / 4), dst2, src2); break;
+        default: copy_list<unsigned char>(dst, dst_index, src, src_index, m, (unsigned)page_bytes, dst2, src2); break;
     }
 }
 """
@@ -138,7 +172,7 @@ class PageCopier:
         host_grid: blocks for copies that touch pinned host memory (PCIe-bound; 32 measured to saturate).
         device_grid: blocks for device <-> device copies (HBM-bound: fill the chip).
         chunk_pages: pages per launch (16 MiB of 4 KiB pages): short launches let compute interleave.
-        threads: threads per block (one 4 KiB page = 256 x 16 B, so a block moves a page per pass).
+        threads: threads per block (a pass of a block moves 4 x threads vectors of each pool: 16 KiB of 16 B).
     """
 
     def __init__(self, *, host_grid: int = 32, device_grid: int = 1024, chunk_pages: int = 4096, threads: int = 256):
