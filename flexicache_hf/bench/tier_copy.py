@@ -6,6 +6,7 @@ Pinned host pools and device pools of Llama-3.1-8B's head dim (128, bf16), index
 (8 and 16 rows x 5 stable heads x 256 selected pages) with 40 % or 100 % of the entries promoted (the rest -1, as a
 captured step's lists are), and an all-skip list (what a layer not re-ranking pays). Per row: the copy checked
 exact against torch indexing, microseconds per launch (CUDA events over 20 launches) and GB/s of pages moved.
+The first row is the machine's ceiling: a contiguous 64 MiB pinned host -> device copy.
 """
 
 from __future__ import annotations
@@ -55,6 +56,25 @@ def run(page: int, copiers: dict, head_dim: int = 128) -> list[dict]:
     return rows
 
 
+def contiguous_ceiling(mib: int = 64) -> dict:
+    """This machine's ceiling: one contiguous pinned host -> device copy (the copy engines, no kernel) in GB/s."""
+    import torch
+
+    src = torch.empty(mib << 20, dtype=torch.uint8).pin_memory()
+    dst = torch.empty_like(src, device="cuda")
+    dst.copy_(src, non_blocking=True)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src, non_blocking=True)
+    end.record()
+    torch.cuda.synchronize()
+    us = start.elapsed_time(end) / 10 * 1e3
+    row = {"contiguous_mib": mib, "us": round(us, 1), "gb_s": round(src.numel() / us / 1e3, 1)}
+    print(row, flush=True)
+    return row
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pages", default="8,16", help="page sizes, comma separated (default: 8,16)")
@@ -69,7 +89,7 @@ def main(argv=None) -> dict:
 
     # one launch a copy, as in a captured step (chunk_pages=None), the grid swept
     copiers = {int(x): PageCopier(host_grid=int(x), chunk_pages=None) for x in a.grids.split(",") if x}
-    rows = [r for p in a.pages.split(",") if p for r in run(int(p), copiers)]
+    rows = [contiguous_ceiling()] + [r for p in a.pages.split(",") if p for r in run(int(p), copiers)]
     args = sys.argv[1:] if argv is None else argv
     return emit_json({"command": "python -m flexicache_hf.bench.tier_copy " + " ".join(args),
                       "device": torch.cuda.get_device_name(), "rows": rows}, a.json)
