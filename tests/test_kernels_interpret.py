@@ -124,15 +124,15 @@ def test_strided_grid_caps_programs_over_rows():
 
 
 def test_page_scores_programs_per_row():
-    """page_scores starts ROW_PROGRAMS programs a row (each striding over its tiles), more when too few rows would
+    """page_scores starts PROGRAMS_PER_ROW programs a row (each striding over its tiles), more when too few rows would
     leave multiprocessors idle, never more than a row has tiles nor than the launch-wide cap allows."""
     import torch
 
-    from flexicache_hf.kernels.scores import ROW_PROGRAMS, row_programs
+    from flexicache_hf.kernels.scores import PROGRAMS_PER_ROW, row_programs
 
     cpu = torch.device("cpu")  # counts as 8 multiprocessors
-    assert row_programs(512, 40, cpu) == ROW_PROGRAMS  # 8 rows x 5 heads, 16k-page rows: capped
-    assert row_programs(512, 1, cpu) == ROW_PROGRAMS  # one row: 16 already fills 2 x 8 multiprocessors
+    assert row_programs(512, 40, cpu) == PROGRAMS_PER_ROW  # 8 rows x 5 heads, 16k-page rows: capped
+    assert row_programs(512, 1, cpu) == PROGRAMS_PER_ROW  # one row: 16 already fills 2 x 8 multiprocessors
     assert row_programs(3, 40, cpu) == 3  # a sized cache's short row: its tiles
     assert row_programs(512, 10**6, cpu) == 1  # the launch-wide cap wins
 
@@ -416,6 +416,14 @@ else:
         torch.testing.assert_close(ours_s[..., :n], want_s[..., :n])
         if margin:
             assert not torch.equal(want_s, s)  # the margin did scale some pages
+
+    def test_select_pages_heads_and_margin_need_out():
+        """A head map or a margin without the selection it maps into / keeps is refused by both twins."""
+        s = torch.rand(1, 2, 10)
+        for fn in (R.select_pages, select_pages):
+            for kw in ({"heads": torch.tensor([1, 0])}, {"keep_margin": 1.0}):
+                with pytest.raises(ValueError, match="need out"):
+                    fn(s, 3, **kw)
 
     @pytest.mark.parametrize("P,k", [(1, 4), (5, 8), (40, 4), (40, 40), (300, 16), (1000, 128), (2100, 130)])
     def test_select_pages(P, k):

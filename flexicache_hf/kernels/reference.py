@@ -134,6 +134,12 @@ def check_shrink(shrink: float) -> None:
         raise ValueError(f"the bound's shrink must lie in [0, 1], got {shrink!r}")
 
 
+def check_select_out(out: torch.Tensor | None, heads: torch.Tensor | None, keep_margin: float) -> None:
+    """select_pages' ``heads`` and ``keep_margin`` act on ``out`` (the selection they map into / keep)."""
+    if out is None and (heads is not None or keep_margin):
+        raise ValueError("select_pages: heads and keep_margin need out (the selection they map into / keep)")
+
+
 def narrowing(shrink: float) -> tuple[float, float]:
     """``(near, far)``: each end of the box ``c ± shrink * h`` is ``near`` times the same end of ``[lo, hi]`` plus
     ``far`` times the other (``c`` the centre, ``h`` the half-width; both kernels use these weights)."""
@@ -279,6 +285,7 @@ def select_pages(
     """Top-``k`` pages per (sequence, head), always keeping the last page (the one being appended to); fewer
     selectable pages than ``k``: all of them, then ``-1``.  ``out``: the active rows written there (row ``j`` into
     head ``heads[j]``), the rest left; ``keep_margin``: the stable heads' hysteresis (:func:`keep_selected` first)."""
+    check_select_out(out, heads, keep_margin)
     if num_pages is not None:
         scores = scores[:, :, : host_int(num_pages)]
     if out is not None:
@@ -289,8 +296,6 @@ def select_pages(
             keep_selected(scores, now, keep_margin, act if keep is None else act & keep)
         pages = torch.where(act[None, :, None], select_pages(scores, k).to(out.device), now)
         return out.copy_(pages) if heads is None else out.index_copy_(1, heads, pages)
-    if heads is not None or keep_margin:
-        raise ValueError("select_pages: heads and keep_margin need out (the selection they map into / keep)")
     B, h, P = scores.shape
     s = scores.clone()
     s[:, :, P - 1] = float("inf")  # the page holding the newest token is always attended

@@ -22,18 +22,19 @@ from ._util import num_sms, pow2, strided_grid
 from .mass import group_mass
 
 
-# Programs a row of a launch starts, at most, unless fewer rows than fill the GPU twice.  Measured on an H100 at the
-# README call's layer (8 and 16 rows x 5 stable heads, rows reserved for 128k tokens, 2,048 live pages, D 128;
-# NOTES, run 29): 32-page tiles and 4 warps, 16 programs a row: 28 / 48 us with the heads active (the 64-page,
-# 8-warp tiles and the 4,096-program grid before: 52 / 89 us) and 2.9 / 3.5 us on a step that scores none (13.2 /
-# 13.4 us: every program of the whole reserved width read ``active`` and left).
-ROW_PROGRAMS = 16
+# Programs a row of a launch starts, at most, unless fewer rows than fill the GPU twice (`_util.ROW_PROGRAMS` caps
+# a launch over all its rows).  Measured on an H100 at the README call's layer (8 and 16 rows x 5 stable heads, rows
+# reserved for 128k tokens, 2,048 live pages, D 128; NOTES, run 29): 32-page tiles and 4 warps, 16 programs a row:
+# 28 / 48 us with the heads active (the 64-page, 8-warp tiles and the 4,096-program grid before: 52 / 89 us) and
+# 2.9 / 3.5 us on a step that scores none (13.2 / 13.4 us: every program of the whole reserved width read ``active``
+# and left).
+PROGRAMS_PER_ROW = 16
 
 
 def row_programs(blocks: int, rows: int, device: torch.device) -> int:
-    """Programs along a row of ``blocks`` tiles: :data:`ROW_PROGRAMS`, or enough to start two a multiprocessor over
-    ``rows`` rows; never more than ``_util.strided_grid`` allows nor than the row has tiles."""
-    return min(strided_grid(blocks, rows), max(ROW_PROGRAMS, -(-2 * num_sms(device) // max(rows, 1))))
+    """Programs along a row of ``blocks`` tiles: :data:`PROGRAMS_PER_ROW`, or enough to start two a multiprocessor
+    over ``rows`` rows; never more than ``_util.strided_grid`` allows nor than the row has tiles."""
+    return min(strided_grid(blocks, rows), max(PROGRAMS_PER_ROW, -(-2 * num_sms(device) // max(rows, 1))))
 
 
 @triton.jit(do_not_specialize=["width", "n_sel", "near", "far"])
@@ -153,7 +154,7 @@ def page_scores(
         kmax = torch.empty_strided(kmin.size(), kmin.stride(), dtype=kmax.dtype, device=kmax.device).copy_(kmax)
     heads = heads.to(device=query.device, dtype=torch.long)
     # 32 pages x D=128 a program (2 x 8 KiB of bf16 MinMax a tile, 4 warps): measured faster than 64 x 128 on 8 warps
-    # at the README call's shape (ROW_PROGRAMS' note); D <= 64 keeps 64-page tiles of the same bytes.
+    # at the README call's shape (PROGRAMS_PER_ROW's note); D <= 64 keeps 64-page tiles of the same bytes.
     block_p = block_p or (64 if D <= 64 else 32)
     blocks = triton.cdiv(width, block_p)
     per_row = row_programs(blocks, B * n_sel, query.device) if programs is None else min(programs, blocks)

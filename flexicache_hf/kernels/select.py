@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import reference
 from ._util import pow2
 
 
@@ -140,9 +141,8 @@ def select_pages(
     """Same contract as :func:`reference.select_pages` (ties at the threshold: lowest page ids win), for rows of
     any width; the work and memory traffic follow ``num_pages``, not ``P``."""
     B, h, P = scores.shape
+    reference.check_select_out(out, heads, keep_margin)
     if out is None:
-        if heads is not None or keep_margin:
-            raise ValueError("select_pages: heads and keep_margin need out (the selection they map into / keep)")
         out = torch.empty((B, h, k), dtype=torch.long, device=scores.device)
     elif not out.is_contiguous():
         raise ValueError("select_pages needs a contiguous out")
