@@ -283,7 +283,7 @@ def test_gpu_busy_window_and_counts():
         t = i * 10 * ms
         dev += [(t, t + 3 * ms, "kernel"), (t + 2 * ms, t + 5 * ms, "kernel"), (t + 6 * ms, t + 7 * ms, "memcpy")]
     dev.append((-5 * ms, 31 * ms, "kernel"))  # the prefill: clipped to 30..31 ms, inside step 3's first kernel
-    r = gpu_busy(dev, marks, graph_launches=[35 * ms, 45 * ms, 200 * ms])
+    r = gpu_busy(dev, marks, graph_launches=[(35 * ms, 36 * ms), (45 * ms, 46 * ms), (200 * ms, 201 * ms)])
     assert r["profile_window_steps"] == 7
     assert r["gpu_busy_fraction"] == pytest.approx(7 * 6 / 70)  # per step: kernels 0..5 ms (union), memcpy 1 ms
     assert r["kernels_per_step"] == pytest.approx(14 / 7) and r["memcpy_per_step"] == pytest.approx(1)
@@ -321,7 +321,7 @@ def test_split_events_kineto_and_function_events():
           FakeKineto("aten::mm", "CPU", 11, 12, "cpu_op")]
     dev, marks, launches = split_events(ev)
     assert dev == [(11, 15, "kernel"), (15, 16, "memcpy"), (16, 17, "memset")]
-    assert marks == [10] and launches == [12]
+    assert marks == [10] and launches == [(12, 13)]
     # an older torch: no activity_type, kinds from the names; FunctionEvents with times in us
     fe = [types.SimpleNamespace(name="Memcpy DtoD", device_type="DeviceType.CUDA",
                                 time_range=types.SimpleNamespace(start=1.0, end=2.0)),
@@ -415,12 +415,14 @@ def test_step_timeline_is_the_middle_step_in_start_order():
 def test_launch_offsets_split_the_host_time_before_a_graph_from_its_launch_latency():
     us = 1e3  # ns
     marks = [i * 100 * us for i in range(8)]  # window: marks[3]..marks[7], 4 steps
-    launches = [330 * us, 440 * us, 550 * us, 560 * us]  # step at 300: 30 us in; 400: 40; 500: 50 (first of two)
+    launches = [(330 * us, 331 * us), (440 * us, 443 * us), (550 * us, 552 * us), (560 * us, 561 * us)]
+    # step at 300: 30 us in, a 1 us call; 400: 40, 3 us; 500: 50, 2 us (the first of two)
     dev = [(335 * us, 340 * us, "kernel"), (460 * us, 470 * us, "kernel"), (420 * us, 421 * us, "kernel"),
            (552 * us, 553 * us, "kernel"), (250 * us, 260 * us, "kernel")]
     out = launch_offsets(dev, marks, launches)
     assert out["host_to_launch_ms"] == pytest.approx(0.040)  # median of 30, 40, 50 us
     assert out["launch_to_device_ms"] == pytest.approx(0.005)  # median of 5, 20, 2 us (the one before 440 ignored)
+    assert out["launch_api_ms"] == pytest.approx(0.002)  # median of 1, 3, 2 us
     assert launch_offsets(dev, marks, []) == {}
 
 

@@ -28,12 +28,24 @@ def test_copy_plan_caps_grid_and_chunks():
     from flexicache_hf.kernels.uva_copy import Launch, plan_launches
 
     plan = plan_launches(10_000, True, host_grid=32, device_grid=1024, chunk_pages=4096)
-    assert plan == [Launch(0, 4096, 32), Launch(4096, 4096, 32), Launch(8192, 1808, 32)]
-    assert plan_launches(5, False, host_grid=32, device_grid=1024, chunk_pages=4096) == [Launch(0, 5, 5)]
-    assert plan_launches(3000, False, host_grid=32, device_grid=1024, chunk_pages=4096) == [Launch(0, 3000, 1024)]
+    assert plan == [Launch(0, 4096, 32, 128), Launch(4096, 4096, 32, 128), Launch(8192, 1808, 32, 57)]
+    assert plan_launches(5, False, host_grid=32, device_grid=1024, chunk_pages=4096) == [Launch(0, 5, 5, 1)]
+    assert plan_launches(3000, False, host_grid=32, device_grid=1024, chunk_pages=4096) == [Launch(0, 3000, 1000, 3)]
     assert plan_launches(0, True, host_grid=32, device_grid=1024, chunk_pages=4096) == []
-    assert plan_launches(10_000, True, host_grid=32, device_grid=1024, chunk_pages=None) == [Launch(0, 10_000, 32)]
+    # one launch (a captured step's): every block takes as many windows, a window at most the block's threads
+    assert plan_launches(10_240, True, host_grid=32, device_grid=1024, chunk_pages=None) == [Launch(0, 10_240, 32, 160)]
+    assert plan_launches(20_480, True, host_grid=32, device_grid=1024, chunk_pages=None) == [Launch(0, 20_480, 32, 214)]
+    assert plan_launches(20_480, True, host_grid=32, device_grid=1024, chunk_pages=None, threads=1024) == \
+        [Launch(0, 20_480, 32, 320)]  # two windows a block: the kernel's shared memory holds 512 entries
+    assert plan_launches(10**6, False, host_grid=32, device_grid=1024, chunk_pages=None, threads=1024) == \
+        [Launch(0, 10**6, 1024, 489)]
     assert plan_launches(0, True, host_grid=32, device_grid=1024, chunk_pages=None) == []
+    for m in (1, 7, 100, 4097, 10_239, 99_999):
+        for touches_host, cap in ((True, 32), (False, 1024)):
+            (launch,) = plan_launches(m, touches_host, host_grid=32, device_grid=1024, chunk_pages=None)
+            windows = -(-m // launch.window)
+            assert 1 <= launch.window <= 256 and launch.grid == min(cap, windows)  # no block without a window
+            assert -(-windows // launch.grid) == -(-m // (cap * 256))  # each block as few windows as can be
 
 
 def test_a_captured_copy_is_one_launch():

@@ -4,8 +4,10 @@
 
 Pinned host pools and device pools of Llama-3.1-8B's head dim (128, bf16), index lists of 10,240 and 20,480 entries
 (8 and 16 rows x 5 stable heads x 256 selected pages) with 40 % or 100 % of the entries promoted (the rest -1, as a
-captured step's lists are), and an all-skip list (what a layer not re-ranking pays). Per row: the copy checked
-exact against torch indexing, microseconds per launch (CUDA events over 20 launches) and GB/s of pages moved.
+captured step's lists are), and an all-skip list (what a layer not re-ranking pays); each list through the pinned
+tensors themselves (``via: host``) and through their CUDA views (``via: view``, the host tier's ``device_pages``,
+what a decode step passes). Per row: the copy checked exact against torch indexing, microseconds per launch (CUDA
+events over 20 launches) and GB/s of pages moved.
 The first row is the machine's ceiling: a contiguous 64 MiB pinned host -> device copy.
 """
 
@@ -24,9 +26,12 @@ def run(page: int, copiers: dict, head_dim: int = 128) -> list[dict]:
     """The rows of one page size; ``copiers``: a :class:`~flexicache_hf.kernels.uva_copy.PageCopier` per grid."""
     import torch
 
+    from ..tiers import cuda_alias
+
     g = torch.Generator().manual_seed(0)
     host_pages, device_pages = 1_600_000 // page, 40_000
     hk, hv = (torch.randn(host_pages, page, head_dim, generator=g).to(torch.bfloat16).pin_memory() for _ in "kv")
+    views = {"host": (hk, hv), "view": tuple(cuda_alias(t, torch.device("cuda")) for t in (hk, hv))}
     dk, dv = (torch.zeros(device_pages, page, head_dim, dtype=torch.bfloat16, device="cuda") for _ in "kv")
     page_bytes = page * head_dim * 2
     rows = []
@@ -36,20 +41,21 @@ def run(page: int, copiers: dict, head_dim: int = 128) -> list[dict]:
         si = torch.randint(0, host_pages, (m,), generator=g)
         listed = (di >= 0).nonzero().squeeze(1)
         di_d, si_d = di.cuda(), si.cuda()
-        for grid, copier in copiers.items():
+        for (grid, copier), via in ((c, v) for c in copiers.items() for v in views):
+            sk, sv = views[via]
             dk.zero_()
             dv.zero_()
-            copier.copy_kv_pages(dk, dv, di_d, hk, hv, si_d)
+            copier.copy_kv_pages(dk, dv, di_d, sk, sv, si_d)
             torch.cuda.synchronize()
             exact = all(torch.equal(d[di[listed].cuda()].cpu(), h[si[listed]]) for d, h in ((dk, hk), (dv, hv)))
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(20):
-                copier.copy_kv_pages(dk, dv, di_d, hk, hv, si_d)
+                copier.copy_kv_pages(dk, dv, di_d, sk, sv, si_d)
             end.record()
             torch.cuda.synchronize()
             us = start.elapsed_time(end) / 20 * 1e3
-            rows.append({"page_size": page, "entries": m, "promoted": int(listed.numel()), "grid": grid,
+            rows.append({"page_size": page, "entries": m, "promoted": int(listed.numel()), "grid": grid, "via": via,
                          "us": round(us, 1), "gb_s": round(2 * listed.numel() * page_bytes / us / 1e3, 1),
                          "exact": exact})
             print(rows[-1], flush=True)

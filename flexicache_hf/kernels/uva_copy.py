@@ -11,11 +11,15 @@ needs no host synchronisation: ``-1`` entries are skipped on the device, the ind
 Following the paper (§3.3), the copy stays out of the way of the compute kernels:
 
 * it is launched on the *current* torch stream, which the cache sets to its low-priority copy stream;
-* host-touching copies use a capped grid (32 blocks), so they never hold many SMs; each thread loads
-  four 16-byte vectors of each pool before it stores them, so a block keeps 32 KiB of a K and V copy in
-  flight (whole 2 KiB pages at 8 tokens x 128 x bf16).  Measured on an H100 host (run 29a,
-  ``bench.tier_copy``): 29-31 GB/s at 8- and 16-token pages, the same at 32, 64 and 128 blocks, so there the
-  bytes in flight are not the limit;
+* host-touching copies use a capped grid (32 blocks), so they never hold many SMs -- also when the host pool
+  comes as a CUDA tensor viewing pinned memory (the host tier's ``device_pages``, what a decode step passes):
+  the driver says the address is host memory (:func:`host_resident`).  Before run 30 those got the device
+  grid, 1,024 blocks waiting on PCIe, which held every SM of the GPU while a re-rank's pages loaded;
+* each thread loads four 16-byte vectors of each pool before it stores them, so a block keeps 32 KiB of a K and
+  V copy in flight (whole 2 KiB pages at 8 tokens x 128 x bf16).  ``bench.tier_copy`` on an H100 host whose
+  contiguous pinned copy moves 55 GB/s (run 30a): 48-50 GB/s at 8-token pages with 32 blocks;
+* a block reads a window of the index list at once and gathers the listed entries in shared memory before it
+  copies, so a list with nothing to copy (a layer not re-ranking) costs a read per window, not a walk;
 * long copies are cut into several short launches (``chunk_pages`` pages each), between which the
   scheduler can run higher-priority compute kernels.
 
@@ -37,78 +41,102 @@ from . import reference
 
 _SOURCE = r"""
 // dst[dst_index[i]] = src[src_index[i]] for i in [0, m) with dst_index[i] >= 0; pages of n_vec vectors of T.
-// Either pointer may be pinned host memory (UVA). A block's pass moves a tile of UNROLL * blockDim.x vectors: as
-// many whole list entries as fit in it (small pages), or one tile of one entry (pages larger than a tile). Each
-// thread issues all its loads of a pass (both pools when paired) before its first store, so a block keeps
-// UNROLL x 2 x 16 bytes a thread in flight: a host read over PCIe waits ~1-2 us, and the bandwidth a grid gets
-// is the bytes it keeps in flight over that wait (one page at a time per block held 2 KiB pages of K and V,
-// 8 tokens x 128 x bf16, at about half of PCIe).
+// Either pointer may be pinned host memory (UVA). The list is cut into windows of `window` entries (at most
+// blockDim.x), taken by the blocks in turn. A block first reads its window's entries at once (one coalesced read
+// of the destination indices) and gathers the listed ones into shared memory, so a window with nothing to copy
+// (every layer that does not re-rank replays a list of "no page" entries each step) costs one read, not a walk.
+// Then it moves the gathered pages in passes of a tile of UNROLL * blockDim.x vectors: as many whole pages as fit
+// in it (small pages), or one tile of one page (pages larger than a tile). Each thread issues all its loads of a
+// pass (both pools when paired) before its first store, so a block keeps UNROLL x 2 x 16 bytes a thread in
+// flight: a host read over PCIe waits ~1-2 us, and the bandwidth a grid gets is the bytes it keeps in flight.
 // Own 16-byte type (no header needed under NVRTC): one 128-bit load/store per thread and vector.
 struct __align__(16) Vec16 { unsigned long long lo, hi; };
 #define UNROLL 4
+#define MAX_WINDOW 512  // the most entries a window holds (WINDOW_MAX in Python)
 
 // No __restrict__ on the sources: that would turn reads into ld.global.nc (read-only cache path), and pinned
 // host memory reached through UVA is better served by plain loads (PCIe-bound either way).
 template <typename T>
 __device__ __forceinline__ void copy_list(char* dst_, const long long* __restrict__ dst_index, const char* src_,
                                           const long long* __restrict__ src_index, long long m, unsigned n,
-                                          char* dst2_, const char* src2_) {
+                                          unsigned window, char* dst2_, const char* src2_, long long* to,
+                                          long long* from, unsigned& listed) {
     T* dst = reinterpret_cast<T*>(dst_);
     T* dst2 = reinterpret_cast<T*>(dst2_);
     const T* src = reinterpret_cast<const T*>(src_);
     const T* src2 = reinterpret_cast<const T*>(src2_);
     const unsigned tile = blockDim.x * UNROLL;
     const bool small = n <= tile;
-    const unsigned per = small ? tile / n : 1;                  // entries a pass takes
+    const unsigned per = small ? tile / n : 1;                  // pages a pass takes
     const unsigned span = small ? per * n : tile;               // vectors a pass covers
-    const long long parts = small ? 1 : (n + tile - 1) / tile;  // passes one entry takes (large pages)
-    const long long passes = (m + per - 1) / per * parts;
-    for (long long pass = blockIdx.x; pass < passes; pass += gridDim.x) {
-        const long long first = pass / parts * per;
-        const unsigned off = (unsigned)(pass % parts) * tile;
-        T a[UNROLL], b[UNROLL];
-        long long at[UNROLL];
+    const unsigned parts = small ? 1 : (n + tile - 1) / tile;   // passes one page takes (large pages)
+    const long long windows = (m + window - 1) / window;
+    for (long long w = blockIdx.x; w < windows; w += gridDim.x) {
+        if (threadIdx.x == 0) listed = 0;
+        __syncthreads();
+        const long long i = w * window + threadIdx.x;
+        if (threadIdx.x < window && i < m) {
+            const long long d = dst_index[i];
+            if (d >= 0) {  // "no page": skipped on the device, no host sync needed
+                const unsigned slot = atomicAdd(&listed, 1u);
+                to[slot] = d;
+                from[slot] = src_index[i];
+            }
+        }
+        __syncthreads();
+        const unsigned count = listed;
+        const unsigned passes = small ? (count + per - 1) / per : count * parts;
+        for (unsigned pass = 0; pass < passes; ++pass) {
+            const unsigned first = small ? pass * per : pass / parts;
+            const unsigned off = small ? 0 : (pass % parts) * tile;
+            T a[UNROLL], b[UNROLL];
+            long long at[UNROLL];
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const unsigned l = u * blockDim.x + threadIdx.x;
-            const unsigned k = small ? l / n : 0;
-            const unsigned j = off + l - k * n;
-            at[u] = -1;
-            if (l < span && j < n && first + k < m) {
-                const long long d = dst_index[first + k];
-                if (d >= 0) {  // "no page": skipped on the device, no host sync needed
-                    const long long s = src_index[first + k] * n + j;
+            for (int u = 0; u < UNROLL; ++u) {
+                const unsigned l = u * blockDim.x + threadIdx.x;
+                const unsigned k = small ? l / n : 0;
+                const unsigned j = off + l - k * n;
+                at[u] = -1;
+                if (l < span && j < n && first + k < count) {
+                    const long long s = from[first + k] * n + j;
                     a[u] = src[s];
                     if (dst2 != nullptr) b[u] = src2[s];
-                    at[u] = d * n + j;
+                    at[u] = to[first + k] * n + j;
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                if (at[u] >= 0) {
+                    dst[at[u]] = a[u];
+                    if (dst2 != nullptr) dst2[at[u]] = b[u];
                 }
             }
         }
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            if (at[u] >= 0) {
-                dst[at[u]] = a[u];
-                if (dst2 != nullptr) dst2[at[u]] = b[u];
-            }
-        }
+        __syncthreads();  // every thread done with this window's entries before the next window's overwrite them
     }
 }
 
 // dst2 / src2 (both null, or both set): a second pool pair copied at the same indices (K and V in one launch).
 extern "C" __global__ void flexicache_copy_pages(char* dst, const long long* __restrict__ dst_index,
                                                  const char* src, const long long* __restrict__ src_index,
-                                                 long long m, long long page_bytes, int vec,
+                                                 long long m, long long page_bytes, int vec, unsigned window,
                                                  char* dst2, const char* src2) {
+    __shared__ long long to[MAX_WINDOW], from[MAX_WINDOW];  // a window's listed entries: destination, source
+    __shared__ unsigned listed;
+#define COPY(T, width) copy_list<T>(dst, dst_index, src, src_index, m, (unsigned)(page_bytes / width), window, \
+                                    dst2, src2, to, from, listed)
     switch (vec) {
-        case 16: copy_list<Vec16>(dst, dst_index, src, src_index, m, (unsigned)(page_bytes / 16), dst2, src2); break;
-        case 8: copy_list<unsigned long long>(dst, dst_index, src, src_index, m, (unsigned)(page_bytes / 8), dst2, src2); break;
-        case 4: copy_list<unsigned int>(dst, dst_index, src, src_index, m, (unsigned)(page_bytes / 4), dst2, src2); break;
-        default: copy_list<unsigned char>(dst, dst_index, src, src_index, m, (unsigned)page_bytes, dst2, src2); break;
+        case 16: COPY(Vec16, 16); break;
+        case 8: COPY(unsigned long long, 8); break;
+        case 4: COPY(unsigned int, 4); break;
+        default: COPY(unsigned char, 1); break;
     }
+#undef COPY
 }
 """
 
 _KERNEL_NAME = "flexicache_copy_pages"
+WINDOW_MAX = 512  # the kernel's MAX_WINDOW: index entries a block gathers in shared memory at once
 
 
 @dataclass(frozen=True)
@@ -118,6 +146,7 @@ class Launch:
     offset: int
     count: int
     grid: int
+    window: int  # entries a block gathers at once (at most its threads)
 
 
 def vector_width(page_bytes: int, *addresses: int) -> int:
@@ -129,19 +158,37 @@ def vector_width(page_bytes: int, *addresses: int) -> int:
 
 
 def plan_launches(m: int, touches_host: bool, *, host_grid: int, device_grid: int,
-                  chunk_pages: int | None) -> list[Launch]:
+                  chunk_pages: int | None, threads: int = 256) -> list[Launch]:
     """Cut a copy of ``m`` index entries into launches of at most ``chunk_pages`` entries (``None``: one launch).
 
     Host copies get a capped grid of ``host_grid`` blocks (PCIe saturates at ~32, more would only hold SMs);
-    device copies get up to ``device_grid`` blocks.  A launch never has more blocks than pages.
+    device copies get up to ``device_grid`` blocks.  A block takes ``window`` entries at a time (at most ``threads``
+    and ``WINDOW_MAX``), the windows sized so that every block takes as many (a launch never has more blocks than
+    windows).
     """
-    cap = host_grid if touches_host else device_grid
+    cap, most = (host_grid if touches_host else device_grid), min(threads, WINDOW_MAX)
     chunk_pages = chunk_pages or max(m, 1)
     out = []
     for off in range(0, m, chunk_pages):
         n = min(chunk_pages, m - off)
-        out.append(Launch(off, n, min(cap, n)))
+        rounds = -(-n // (cap * most))  # windows each block takes
+        window = -(-n // (cap * rounds))
+        out.append(Launch(off, n, min(cap, -(-n // window)), window))
     return out
+
+
+def host_resident(t: torch.Tensor) -> bool:
+    """Whether ``t``'s memory is host memory: a CPU tensor, or a CUDA tensor viewing page-locked host memory in place
+    (the host tier's :meth:`~flexicache_hf.tiers.HostTier.device_pages`, what every copy of a decode step is handed),
+    which the driver reports as host memory.  It decides the grid only: the kernel reaches either through UVA.
+    Needs the device's context current (``make_current``)."""
+    if t.device.type == "cpu":
+        return True
+    from cuda.bindings import driver
+
+    err, kind = driver.cuPointerGetAttribute(driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                                             t.data_ptr())
+    return err == driver.CUresult.CUDA_SUCCESS and int(kind) == int(driver.CUmemorytype.CU_MEMORYTYPE_HOST)
 
 
 def compile_copy_kernel(arch: str):
@@ -287,21 +334,22 @@ class PageCopier:
         page_bytes = dst[0].numel() * dst.element_size() if dst.shape[0] else src[0].numel() * src.element_size()
         pair = () if dst2 is None else (dst2.data_ptr(), src2.data_ptr())
         vec = vector_width(page_bytes, dst.data_ptr(), src.data_ptr(), *pair)
-        touches_host = dst.device.type == "cpu" or src.device.type == "cpu"
         import numpy as np
         core = cuda_core()
         LaunchConfig, launch = core.LaunchConfig, core.launch
 
         make_current(index)
+        touches_host = host_resident(dst) or host_resident(src)  # the host tier's CUDA views are host memory
         stream = self._stream(index, torch.cuda.current_stream(device).cuda_stream)
         plan = plan_launches(m, touches_host, host_grid=self.host_grid, device_grid=self.device_grid,
-                             chunk_pages=self.launch_chunk(torch.cuda.is_current_stream_capturing()))
+                             chunk_pages=self.launch_chunk(torch.cuda.is_current_stream_capturing()),
+                             threads=self.threads)
         for part in plan:
             cfg = LaunchConfig(grid=part.grid, block=self.threads)
             launch(stream, cfg, kern,
                    np.uint64(dst.data_ptr()), np.uint64(di.data_ptr() + 8 * part.offset),
                    np.uint64(src.data_ptr()), np.uint64(si.data_ptr() + 8 * part.offset),
-                   np.int64(part.count), np.int64(page_bytes), np.int32(vec),
+                   np.int64(part.count), np.int64(page_bytes), np.int32(vec), np.uint32(part.window),
                    np.uint64(0 if dst2 is None else dst2.data_ptr()), np.uint64(0 if src2 is None else src2.data_ptr()))
         # di / si, when freshly moved, were allocated on this same stream: the caching allocator will not
         # hand their memory out again before the kernels queued here have run, so no record_stream needed.

@@ -477,6 +477,58 @@ def test_copy_pages_uses_the_kernel():
     assert copier.usable(dev, torch.zeros(4, 16, 64)) is None  # pageable memory: torch fallback
 
 
+@pytest.mark.parametrize("page,share", [(8, 0.4), (8, 0.0), (16, 1.0)])
+def test_copy_through_the_host_tiers_cuda_view_takes_the_host_grid(page, share):
+    """A decode step hands the copies the host tier's *CUDA* views of its pinned pages (``device_pages``): the
+    driver reports them as host memory, so they get the capped host grid, not the device grid (1,024 blocks
+    waiting on PCIe held every SM).  At the README call's list shape (16 rows x 5 stable heads x 128 pages,
+    one launch as in a captured step, windows gathered in shared memory), with skipped entries: exact, K and V,
+    both ways."""
+    from flexicache_hf.kernels import TRITON_OPS
+    from flexicache_hf.kernels.uva_copy import host_resident, plan_launches
+    from flexicache_hf.tiers import cuda_alias
+
+    copier = TRITON_OPS.copy_kv_pages.eager.__self__
+    g = torch.Generator().manual_seed(page)
+    n_host, n_dev, m = 40_000, 12_000, 10_240
+    hk, hv = (torch.randn(n_host, page, 128, generator=g).to(torch.bfloat16).pin_memory() for _ in range(2))
+    ak, av = cuda_alias(hk, torch.device(DEV)), cuda_alias(hv, torch.device(DEV))
+    assert ak.is_cuda and ak.data_ptr() == hk.data_ptr()
+    assert host_resident(ak) and host_resident(hk) and not host_resident(torch.zeros(4, device=DEV))
+    (launch,) = plan_launches(m, True, host_grid=copier.host_grid, device_grid=copier.device_grid, chunk_pages=None,
+                              threads=copier.threads)
+    assert launch.grid == copier.host_grid
+    dk, dv = (torch.zeros(n_dev, page, 128, dtype=torch.bfloat16, device=DEV) for _ in range(2))
+    di = torch.randperm(n_dev, generator=g)[:m]
+    di[torch.rand(m, generator=g) >= share] = -1
+    si = torch.randint(0, n_host, (m,), generator=g)
+    graph = torch.cuda.CUDAGraph()  # one launch, as a captured step has it
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        TRITON_OPS.copy_kv_pages(dk, dv, di.to(DEV), ak, av, si.to(DEV))  # warm-up (builds the kernel)
+    torch.cuda.current_stream().wait_stream(side)
+    dk.zero_()
+    dv.zero_()
+    di_d, si_d = di.to(DEV), si.to(DEV)
+    with torch.cuda.graph(graph):
+        TRITON_OPS.copy_kv_pages(dk, dv, di_d, ak, av, si_d)
+    graph.replay()
+    torch.cuda.synchronize()
+    keep = di >= 0
+    want_k, want_v = (torch.zeros(n_dev, page, 128, dtype=torch.bfloat16) for _ in range(2))
+    want_k[di[keep]], want_v[di[keep]] = hk[si[keep]], hv[si[keep]]
+    assert torch.equal(dk.cpu(), want_k) and torch.equal(dv.cpu(), want_v)
+    # device -> host through the views (an offload): the listed pages land, every other host page untouched
+    before_k = hk.clone()
+    back = torch.randperm(n_host, generator=g)[:m]
+    TRITON_OPS.copy_kv_pages(ak, av, torch.where(di >= 0, back, -1).to(DEV), dk, dv, di.clamp_min(0).to(DEV))
+    torch.cuda.synchronize()
+    want_k = before_k.clone()
+    want_k[back[keep]] = dk[di[keep].to(DEV)].cpu()
+    assert torch.equal(hk, want_k)
+
+
 def _tiny_llama(dtype):
     from transformers import AutoModelForCausalLM, LlamaConfig
 

@@ -43,11 +43,11 @@ def concurrent_length(intervals: list[tuple[float, float]]) -> float:
 
 
 def gpu_busy(device_events: list[tuple[float, float, str]], marks: list[float], *, skip: int = PROFILE_SKIP,
-             graph_launches: list[float] = ()) -> dict:
+             graph_launches: list[tuple[float, float]] = ()) -> dict:
     """GPU busy fraction between ``marks[skip]`` and ``marks[-1]`` (one mark per generated token).
 
     ``device_events``: ``(start, end, kind)`` with kind ``kernel`` / ``memcpy`` / ``memset`` (any time unit;
-    results in ms assume ns).  ``graph_launches``: start times of ``cudaGraphLaunch`` calls (host side).
+    results in ms assume ns).  ``graph_launches``: ``(start, end)`` of ``cudaGraphLaunch`` calls (host side).
     """
     marks = sorted(marks)
     if len(marks) < skip + 2:
@@ -66,7 +66,7 @@ def gpu_busy(device_events: list[tuple[float, float, str]], marks: list[float], 
             "memcpy_per_step": count["memcpy"] / steps, "memset_per_step": count["memset"] / steps,
             "gpu_busy_ms_per_step": busy / steps / 1e6, "concurrent_ms_per_step": both / steps / 1e6,
             "window_ms_per_step": (w1 - w0) / steps / 1e6,
-            "graph_launches_per_step": sum(1 for t in graph_launches if w0 <= t < w1) / steps,
+            "graph_launches_per_step": sum(1 for t, _ in graph_launches if w0 <= t < w1) / steps,
             "profile_window_steps": steps}
 
 
@@ -103,24 +103,27 @@ def step_timeline(device_events: list[tuple], marks: list[float], *, skip: int =
     return [[round((s - t0) / 1e3, 1), round((e - s) / 1e3, 1), stream, name[:40]] for s, e, stream, name in ops]
 
 
-def launch_offsets(device_events: list[tuple], marks: list[float], launches: list[float], *,
+def launch_offsets(device_events: list[tuple], marks: list[float], launches: list[tuple[float, float]], *,
                    skip: int = PROFILE_SKIP) -> dict:
     """Where a compiled step's time before its graph goes, median over the steps of :func:`gpu_busy`'s window:
     ``host_to_launch_ms``, from the step's mark (the previous token stamped) to the host's first graph launch
     (``generate``'s loop, the cache's eager hooks, dynamo's guards, the compiled wrappers); ``launch_to_device_ms``,
-    from that launch to the first device operation starting after it (the launch's own latency).  Empty without
+    from that launch to the first device operation starting after it (the launch's own latency), and of that
+    ``launch_api_ms``, the host's ``cudaGraphLaunch`` call itself (``launches``: ``(start, end)``).  Empty without
     graph launches in the window."""
     marks = sorted(marks)
-    host, device = [], []
+    host, device, api = [], [], []
     for t0, t1 in zip(marks[skip:], marks[skip + 1:]):
-        launch = min((t for t in launches if t0 <= t < t1), default=None)
+        launch, end = min(((t, e) for t, e in launches if t0 <= t < t1), default=(None, None))
         if launch is None:
             continue
         host.append(launch - t0)
+        api.append(end - launch)
         first = min((ev[0] for ev in device_events if launch <= ev[0] < t1), default=None)
         if first is not None:
             device.append(first - launch)
-    out = {"host_to_launch_ms": statistics.median(host) / 1e6} if host else {}  # ns -> ms
+    out = {"host_to_launch_ms": statistics.median(host) / 1e6, "launch_api_ms": statistics.median(api) / 1e6} \
+        if host else {}  # ns -> ms
     if device:
         out["launch_to_device_ms"] = statistics.median(device) / 1e6
     return out
@@ -138,10 +141,11 @@ def device_kind(name: str, activity: str | None) -> str | None:
     return "kernel"
 
 
-def split_events(events, *, names: bool = False) -> tuple[list[tuple], list[float], list[float]]:
-    """(device events, step marks, graph launch times) in ns, from kineto events (``prof.profiler.kineto_results
-    .events()``) or, failing that, ``FunctionEvent``s (``prof.events()``, times in us).  A device event is
-    ``(start, end, kind)``, with ``names`` ``(start, end, kind, name, stream)`` (the CUDA stream's id, -1 unknown)."""
+def split_events(events, *, names: bool = False) -> tuple[list[tuple], list[float], list[tuple[float, float]]]:
+    """(device events, step marks, graph launches ``(start, end)``) in ns, from kineto events
+    (``prof.profiler.kineto_results.events()``) or, failing that, ``FunctionEvent``s (``prof.events()``, times in
+    us).  A device event is ``(start, end, kind)``, with ``names`` ``(start, end, kind, name, stream)`` (the CUDA
+    stream's id, -1 unknown)."""
     dev, marks, launches = [], [], []
     for e in events:
         if hasattr(e, "start_ns"):
@@ -163,5 +167,5 @@ def split_events(events, *, names: bool = False) -> tuple[list[tuple], list[floa
             if kind is not None:
                 dev.append((start, end, kind, name, stream) if names else (start, end, kind))
         elif not on_device and name in ("cudaGraphLaunch", "cudaGraphLaunch_v10000", "cuGraphLaunch"):
-            launches.append(start)
+            launches.append((start, end))
     return dev, marks, launches
