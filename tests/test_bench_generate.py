@@ -154,7 +154,8 @@ def test_cli_flags_and_defaults():
         "model": "llama8b", "gguf": None, "task": "text", "cases": "1x16384,16x16384,16x30720",
         "rows": "dynamic,static,offloaded,flexicache,flexicache-graph,flexicache-unsized,flexicache-paper",
         "static_variants": "sdpa", "static_prefill_chunk": 0, "prefill_chunk": 0, "new_tokens": 256, "prompt_lookup": 0,
-        "offloaded_tokens": 16, "budget": None, "rerank_interval": None, "stagger_reranks": None, "group_score": None,
+        "offloaded_tokens": 16, "budget": None, "rerank_interval": None, "stagger_reranks": None, "offload": None,
+        "group_score": None,
         "page_size": None, "bound_shrink": None,
         "unstable_group_score": None, "exact_candidates": None, "keep_margin": None, "unstable_fraction": None,
         "prefill_profile": False,
@@ -563,3 +564,12 @@ def test_compile_phases_since_a_snapshot_are_the_phases_that_grew(monkeypatch):
     metrics["tiny"] = [0.0001]
     assert phases_since(before) == {"compile_fx": 7.0, "bytecode_tracing": 4.25}
     assert list(phases_since(before, top=1)) == ["compile_fx"]
+
+
+def test_config_flags_are_the_flags_set():
+    from flexicache_hf.bench.generate.cli import build_parser
+    from flexicache_hf.bench.generate.run import config_flags
+
+    assert config_flags(build_parser().parse_args([])) == {}
+    args = build_parser().parse_args("--no-offload --keep-margin 1 --page-size 16".split())
+    assert config_flags(args) == {"offload": False, "keep_margin": 1.0, "page_size": 16}

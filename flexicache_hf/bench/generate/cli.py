@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--stagger-reranks", action=argparse.BooleanOptionalAction, default=None,
                     help="FlexiCacheConfig.stagger_reranks (default: the profile's settings, True since run 18: layers "
                          "re-rank their stable heads on different steps; --no-stagger-reranks: the paper's schedule)")
+    ap.add_argument("--offload", action=argparse.BooleanOptionalAction, default=None,
+                    help="FlexiCacheConfig.offload (--no-offload: every page on the device, no host tier or copies)")
     ap.add_argument("--group-score", choices=("max", "mass"), default=None, help="FlexiCacheConfig.group_score")
     ap.add_argument("--page-size", type=int, default=None, help="FlexiCacheConfig.page_size")
     ap.add_argument("--bound-shrink", type=float, default=None, help="FlexiCacheConfig.bound_shrink")

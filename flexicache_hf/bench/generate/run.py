@@ -54,7 +54,7 @@ def config_flags(args) -> dict:
     names = dict(budget="token_budget", rerank_interval="rerank_interval", stagger_reranks="stagger_reranks",
                  group_score="group_score", page_size="page_size", bound_shrink="bound_shrink",
                  unstable_group_score="unstable_group_score", exact_candidates="exact_candidates",
-                 keep_margin="keep_margin")
+                 keep_margin="keep_margin", offload="offload")
     return {field: getattr(args, flag) for flag, field in names.items() if getattr(args, flag, None) is not None}
 
 
