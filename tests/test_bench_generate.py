@@ -573,3 +573,21 @@ def test_config_flags_are_the_flags_set():
     assert config_flags(build_parser().parse_args([])) == {}
     args = build_parser().parse_args("--no-offload --keep-margin 1 --page-size 16".split())
     assert config_flags(args) == {"offload": False, "keep_margin": 1.0, "page_size": 16}
+
+
+def test_api_calls_are_the_host_cuda_calls_of_the_window_per_step():
+    from flexicache_hf.bench.generate.trace import api_calls
+
+    us = 1e3  # ns
+    ev = [FakeKineto("cudaGraphLaunch", "CPU", 310 * us, 312 * us, "cuda_runtime"),
+          FakeKineto("cuMemHostRegister_v2", "CPU", 420 * us, 470 * us, "cuda_driver"),
+          FakeKineto("cudaGraphLaunch", "CPU", 410 * us, 416 * us, "cuda_runtime"),
+          FakeKineto("cudaLaunchKernel", "CPU", 250 * us, 251 * us, "cuda_runtime"),  # before the window
+          FakeKineto("aten::mm", "CPU", 320 * us, 330 * us, "cpu_op")]
+    api: list = []
+    _, _, launches = split_events(ev, api=api)
+    assert launches == [(310 * us, 312 * us), (410 * us, 416 * us)] and len(api) == 4  # aten::mm is no CUDA call
+    marks = [i * 100 * us for i in range(8)]  # window marks[3]..marks[7]: 4 steps
+    assert api_calls(api, marks) == [{"name": "cuMemHostRegister_v2", "calls": 0.25, "ms": 0.0125},
+                                     {"name": "cudaGraphLaunch", "calls": 0.5, "ms": 0.002}]
+    assert api_calls(api, marks[:2]) == []
