@@ -153,3 +153,20 @@ def test_cli_help_lists_canonical_grids_first_then_where_archived_ones_live(caps
     with pytest.raises(SystemExit) as e:
         cli.main(["--config", "no-such-grid", "--out", str(tmp_path)])
     assert e.value.code == 2 and "no grid" in capsys.readouterr().err
+
+
+def test_overlap_loads_policy_and_its_grid():
+    from flexicache_hf.eval.grids import grid_from_json, grid_to_json, named_configs
+    from flexicache_hf.eval.policies import Policy
+
+    with pytest.raises(ValueError, match="overlap_loads"):
+        Policy("quest", 64, overlap_loads=True)
+    assert Policy("flexicache", 64, overlap_loads=True).label == "flexicache-R16-u25-overlap@64"
+    cfg = named_configs()["overlap-16k"]()
+    rows = cfg.fidelity_policies()
+    assert [p.overlap_loads for p in rows if p.family == "flexicache"] == [False, True, False, True]
+    assert all(p.rerank_interval == 8 and p.keep_margin == 1.0 and p.stagger_reranks for p in rows
+               if p.family == "flexicache")
+    back = grid_from_json(grid_to_json(cfg))
+    assert [p.label for p in back.fidelity_policies()] == [p.label for p in rows]
+    assert "overlap_loads" not in grid_to_json(named_configs()["keep-16k"]())  # archived grids' policies unchanged

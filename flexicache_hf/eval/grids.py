@@ -100,7 +100,7 @@ POLICY_FIELDS = ("fidelity_extra", "task_extra")
 
 
 # Policy fields added after grids were archived, with the value every archived grid ran (a Policy's default keeps it)
-LATER_POLICY_FIELDS = {"stagger_reranks": False, "exact_candidates": 0, "keep_margin": 0.0}
+LATER_POLICY_FIELDS = {"stagger_reranks": False, "exact_candidates": 0, "keep_margin": 0.0, "overlap_loads": False}
 
 
 def _plain(value):
@@ -286,13 +286,13 @@ def qwen_32k() -> EvalConfig:
 
 def _exact_unstable(budget: int, fraction: float = 0.375, profile: str = "measured", interval: int = 16,
                     stagger: bool = False, candidates: int = 0, sink: int = 0, recent: int = 0,
-                    keep: float = 0.0) -> Policy:
+                    keep: float = 0.0, overlap: bool = False) -> Policy:
     """The long-output setting (the stable heads by the mass of the half-shrunk box) with the least-stable
     ``fraction`` of heads ranked by the exact attention mass (``unstable_group_score="exact"``; over their
     ``candidates`` x budget pages of the largest bound, 0: every page); ``sink`` / ``recent`` pages kept."""
     return Policy("flexicache", budget, interval, fraction, profile, sink_pages=sink, recent_pages=recent,
                   group_score="mass", bound_shrink=0.5, unstable_scoring=("exact", 1.0), stagger_reranks=stagger,
-                  exact_candidates=candidates, keep_margin=keep)
+                  exact_candidates=candidates, keep_margin=keep, overlap_loads=overlap)
 
 
 @canonical
@@ -380,6 +380,19 @@ def keep_16k() -> EvalConfig:
     rows = [_exact_unstable(b, stagger=True, interval=r, keep=k) for b in (2048, 1024)
             for r, k in ((8, 0.5), (8, 1.0), (16, 1.0))]
     return _qwen_16k_fidelity("keep-16k", rows, page_size=8)
+
+@canonical
+def overlap_16k() -> EvalConfig:
+    """Qwen 16k fidelity: its defaults with and without ``overlap_loads`` (late re-ranks).
+
+    R 8, ``keep_margin=1``, staggered, 37.5 % unstable by the exact mass, 8-token pages, with and without
+    ``overlap_loads`` (a stable head due to re-rank attends its previous selection at that step, its promoted pages
+    loading behind the later layers), at budgets 2048 and 1024, 8 documents (~3 min on an H100): whether a step-late
+    selection keeps the defaults' accuracy, before its speed could make it a default."""
+    rows = [_exact_unstable(b, stagger=True, interval=8, keep=1.0, overlap=o) for b in (2048, 1024)
+            for o in (False, True)]
+    return _qwen_16k_fidelity("overlap-16k", rows, page_size=8)
+
 
 def _retention_exact(base: EvalConfig, name: str = "exact", **policy) -> EvalConfig:
     """Retrieval at 1/16 of ``base``'s length with the question after the context, 16 samples a task, 8-token

@@ -58,6 +58,9 @@ class Policy:
     exact_candidates: int = 0
     # FlexiCache only, with group_score "mass": FlexiCacheConfig.keep_margin (0: plain top-K)
     keep_margin: float = 0.0
+    # FlexiCache only: FlexiCacheConfig.overlap_loads (a stable head due to re-rank attends its previous selection at
+    # that step; its promoted pages load behind the later layers)
+    overlap_loads: bool = False
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -83,6 +86,8 @@ class Policy:
             raise ValueError("exact_candidates applies to flexicache with unstable_scoring ('exact', ...) only")
         if self.keep_margin and (self.family != "flexicache" or self.group_score != "mass"):
             raise ValueError("keep_margin applies to flexicache with group_score 'mass' only")
+        if self.overlap_loads and self.family != "flexicache":
+            raise ValueError(f"overlap_loads applies to flexicache only, not {self.family!r}")
 
     @property
     def label(self) -> str:
@@ -99,6 +104,7 @@ class Policy:
             forced += f"-cand{self.exact_candidates}" if self.exact_candidates else ""
         forced += "-stagger" if self.stagger_reranks else ""
         forced += f"-keep{self.keep_margin:g}" if self.keep_margin else ""
+        forced += "-overlap" if self.overlap_loads else ""
         tag = f"-u{round(100 * self.unstable_fraction)}" + ("-random" if self.profile == "random" else "")
         if self.family == "flexicache":
             return f"flexicache-R{self.rerank_interval}{tag}{forced}@{budget}"
@@ -183,7 +189,7 @@ def make_cache(policy: Policy, model_config, context: int, profiles: ProfileSour
                                offload=not quest, sink_pages=policy.sink_pages, recent_pages=policy.recent_pages,
                                group_score=policy.group_score, bound_shrink=policy.bound_shrink,
                                stagger_reranks=policy.stagger_reranks, exact_candidates=policy.exact_candidates,
-                               keep_margin=policy.keep_margin,
+                               keep_margin=policy.keep_margin, overlap_loads=policy.overlap_loads,
                                **_unstable_fields(policy.unstable_scoring))
         return FlexiCache(prof, cfg, model_config=model_config, kernels=kernels)
     if policy.family in ("oracle", "quest-ref", "oracle-unstable"):
