@@ -575,9 +575,7 @@ def test_config_flags_are_the_flags_set():
     assert config_flags(args) == {"offload": False, "keep_margin": 1.0, "page_size": 16}
 
 
-def test_api_calls_are_the_host_cuda_calls_of_the_window_per_step():
-    from flexicache_hf.bench.generate.trace import api_calls
-
+def test_host_cuda_calls_are_ranked_per_step_like_device_operations():
     us = 1e3  # ns
     ev = [FakeKineto("cudaGraphLaunch", "CPU", 310 * us, 312 * us, "cuda_runtime"),
           FakeKineto("cuMemHostRegister_v2", "CPU", 420 * us, 470 * us, "cuda_driver"),
@@ -588,6 +586,7 @@ def test_api_calls_are_the_host_cuda_calls_of_the_window_per_step():
     _, _, launches = split_events(ev, api=api)
     assert launches == [(310 * us, 312 * us), (410 * us, 416 * us)] and len(api) == 4  # aten::mm is no CUDA call
     marks = [i * 100 * us for i in range(8)]  # window marks[3]..marks[7]: 4 steps
-    assert api_calls(api, marks) == [{"name": "cuMemHostRegister_v2", "calls": 0.25, "ms": 0.0125},
-                                     {"name": "cudaGraphLaunch", "calls": 0.5, "ms": 0.002}]
-    assert api_calls(api, marks[:2]) == []
+    assert top_kernels(api, marks, n=8) == [
+        {"name": "cuMemHostRegister_v2", "ms_per_step": pytest.approx(0.0125), "count_per_step": 0.25},
+        {"name": "cudaGraphLaunch", "ms_per_step": pytest.approx(0.002), "count_per_step": 0.5}]
+    assert top_kernels(api, marks[:2]) == []

@@ -17,7 +17,7 @@ from .clock import StepClock, summarise, summarise_assisted, top_functions
 from .device import (HostLimitError, TritonCompiles, compile_phases, cudagraph_recordings, dynamo_counts,
                      empty_host_cache, error_record, kv_bytes, phases_since, pinned_stats, release)
 from .rows import attn_impl, is_compiled, is_profiled, is_user_call
-from .trace import TOP_KERNELS, api_calls, gpu_busy, launch_offsets, split_events, step_timeline, top_kernels
+from .trace import TOP_KERNELS, gpu_busy, launch_offsets, split_events, step_timeline, top_kernels
 
 WARMUP_STEPS = 4
 
@@ -174,7 +174,7 @@ def profile_decode(model, ids, row, args, profile) -> dict:
         api: list = []
         dev, marks, launches = split_events(events, names=True, api=api)
         out = gpu_busy(dev, marks, graph_launches=launches)
-        out["api_calls"] = api_calls(api, marks)
+        out["api_calls"] = top_kernels(api, marks, n=8)  # the host CUDA calls of a step, from any thread
         out["top_kernels"] = top_kernels(dev, marks, n=TOP_KERNELS)
         out["step_timeline"] = step_timeline(dev, marks)
         out.update(launch_offsets(dev, marks, launches))

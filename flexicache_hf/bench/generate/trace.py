@@ -71,9 +71,10 @@ def gpu_busy(device_events: list[tuple[float, float, str]], marks: list[float], 
 
 
 def top_kernels(device_events: list[tuple], marks: list[float], *, skip: int = PROFILE_SKIP, n: int = 15) -> list[dict]:
-    """The ``n`` device operations that take the most time per decode step in the window of :func:`gpu_busy`:
-    ``{"name", "ms_per_step", "count_per_step"}`` from ``(start, end, kind, name)`` events (ns), names cut to 80
-    characters (Inductor's fused kernels carry long names)."""
+    """The ``n`` operations that take the most time per decode step in the window of :func:`gpu_busy`:
+    ``{"name", "ms_per_step", "count_per_step"}`` from ``(start, end, kind, name)`` events (ns; device operations,
+    or :func:`split_events`' host CUDA calls), names cut to 80 characters (Inductor's fused kernels carry long
+    names)."""
     marks = sorted(marks)
     if len(marks) < skip + 2:
         return []
@@ -146,8 +147,9 @@ def split_events(events, *, names: bool = False, api: list | None = None
     """(device events, step marks, graph launches ``(start, end)``) in ns, from kineto events
     (``prof.profiler.kineto_results.events()``) or, failing that, ``FunctionEvent``s (``prof.events()``, times in
     us).  A device event is ``(start, end, kind)``, with ``names`` ``(start, end, kind, name, stream)`` (the CUDA
-    stream's id, -1 unknown).  ``api``: a list that receives ``(start, end, name)`` of every host-side CUDA runtime
-    or driver call (names ``cuda*`` / ``cu*``), from any thread."""
+    stream's id, -1 unknown).  ``api``: a list that receives ``(start, end, "api", name)`` of every host-side CUDA
+    runtime or driver call (names ``cuda*`` / ``cu*``), from any thread: :func:`top_kernels` ranks them as it ranks
+    device operations (e.g. a page-locking ``cuMemHostRegister`` on another thread that a graph launch waits on)."""
     dev, marks, launches = [], [], []
     for e in events:
         if hasattr(e, "start_ns"):
@@ -172,24 +174,6 @@ def split_events(events, *, names: bool = False, api: list | None = None
             if name in ("cudaGraphLaunch", "cudaGraphLaunch_v10000", "cuGraphLaunch"):
                 launches.append((start, end))
             if api is not None:
-                api.append((start, end, name))
+                api.append((start, end, "api", name))
     return dev, marks, launches
 
-
-def api_calls(api: list[tuple], marks: list[float], *, skip: int = PROFILE_SKIP, n: int = 8) -> list[dict]:
-    """The ``n`` host CUDA calls (:func:`split_events`' ``api``) that took the most time a step over :func:`gpu_busy`'s
-    window: ``name``, ``calls`` and ``ms`` a step, most first (e.g. a driver call from another thread, such as a
-    page-locking ``cuMemHostRegister``, that a graph launch waits on)."""
-    marks = sorted(marks)
-    if len(marks) < skip + 2:
-        return []
-    w0, w1 = marks[skip], marks[-1]
-    steps = len(marks) - 1 - skip
-    total: dict[str, list] = {}
-    for start, end, name in api:
-        if w0 <= start < w1:
-            t = total.setdefault(name, [0, 0.0])
-            t[0] += 1
-            t[1] += end - start
-    top = sorted(total.items(), key=lambda kv: -kv[1][1])[:n]
-    return [{"name": name, "calls": round(c / steps, 2), "ms": round(ns / steps / 1e6, 4)} for name, (c, ns) in top]
