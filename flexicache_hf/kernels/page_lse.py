@@ -122,6 +122,14 @@ def _block_lse(q_ptr, k_ptr, table_ptr, heads_ptr, valid_lo_ptr, seq_len_ptr, sc
     return tl.where(total == 0.0, float("-inf"), m_use + tl.log(tl.where(total == 0.0, 1.0, total)))
 
 
+def _tile(page_size: int, rows: int) -> int:
+    """Tokens a program scores: 128 for launches of >= 16 (row, head) pairs (measured: H100, 16 pairs of 2,048
+    8-token pages, 31.3 against 35.4 us a call with 64, ``docs/benchmarks/kernels/run31a-decode-tiles-h100.json``),
+    else 64, so fewer pairs keep more programs (the grid covers reserved capacity, so the live pages are unknown
+    here); never under one page, and >= 16 tokens (tl.dot's smallest N)."""
+    return max(page_size, 128 if rows >= 16 else 64)
+
+
 def page_lse(
     query: torch.Tensor,  # [B, Hq, D] the decode step's queries
     k_pool: torch.Tensor,  # [N, page_size, D] key pool
@@ -133,7 +141,7 @@ def page_lse(
     scale: float,  # the attention's softmax scale
     candidates: torch.Tensor | None = None,  # [B, h, C] int64 logical pages to score (-1 padded); None: all
     *,
-    block_n: int | None = None,  # tokens per program (a multiple of page_size); None: max(page_size, 64)
+    block_n: int | None = None,  # tokens per program (a multiple of page_size); None: see _tile
     num_warps: int = 4,
 ) -> torch.Tensor:  # [B, h, G, P_cap] float32
     """Same contract as :func:`reference.page_lse` on the live pages (the row past them is left unwritten)."""
@@ -158,7 +166,7 @@ def page_lse(
     upcast = dot_upcast(k_pool.dtype)
     q = query if upcast or query.dtype == k_pool.dtype else query.to(k_pool.dtype)  # tl.dot: one operand dtype
     heads = heads.to(device=query.device, dtype=torch.long)
-    bn = block_n or max(ps, 64)  # >= 16 tokens: tl.dot's smallest N
+    bn = block_n or _tile(ps, B * n_sel)
     grid = (strided_grid(triton.cdiv(n_cand if listed else width, bn // ps), B * n_sel), B * n_sel)
     _page_lse_kernel[grid](
         q, k_pool, page_table, heads, num_pages, valid_lo, seq_len, out, scale, width, n_sel,

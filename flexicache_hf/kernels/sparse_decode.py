@@ -214,10 +214,11 @@ def sparse_decode(
     if not isinstance(seq_len, torch.Tensor):
         seq_len = torch.full((1,), seq_len, dtype=torch.long, device=query.device)
     sms = num_sms(query.device)
-    # 128-token tiles when there is work for >= 16 pages per program at 8 programs per SM (measured on the
-    # H200 at batch 40 x 129 pages: 83% of HBM vs 77% with 64); 64-token tiles otherwise, so small batches
-    # keep enough splits (a split is >= 2 tiles) to spread over the SMs.
-    bn = block_n or max(ps, 128 if B * H * W >= 8 * sms * 16 else 64)
+    # 128-token tiles when there is work for >= 16 pages per program at 4 programs per SM (measured: H200 at batch
+    # 40 x 129 pages, 83% of HBM vs 77% with 64; H100 at batch 8 x 257 8-token pages, 33.2 vs 35.9 us a call,
+    # docs/benchmarks/kernels/run31a-decode-tiles-h100.json); 64-token tiles otherwise, so small batches keep
+    # enough splits (a split is >= 2 tiles) to spread over the SMs.
+    bn = block_n or max(ps, 128 if B * H * W >= 4 * sms * 16 else 64)
     ppb = bn // ps
     if num_splits is None:
         splits, pps = plan_splits(W, B * H, sms, ppb)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -156,6 +157,7 @@ def test_page_lse_and_exact_mass_match_reference(group, D, dtype, L):
     that a stray read would show; and the group mass made from it."""
     from flexicache_hf.kernels import reference as R
     from flexicache_hf.kernels import TRITON_OPS
+    from flexicache_hf.kernels.page_lse import page_lse
 
     B, H, ps = 2, 2, 16
     q, k_pool, _, table, P = paged(B, H, group, D, ps, L, dtype, seed=group * D + L)
@@ -167,6 +169,9 @@ def test_page_lse_and_exact_mass_match_reference(group, D, dtype, L):
         assert torch.equal(torch.isneginf(lse), torch.isneginf(ref)) and not lse.isnan().any()
         fin = torch.isfinite(ref)
         torch.testing.assert_close(lse[fin], ref[fin], rtol=1e-4, atol=1e-3 if dtype == torch.float32 else 3e-2)
+        wide = live_part(page_lse(q, k_pool, table, heads, n, valid_lo, length, D ** -0.5, block_n=128), n)
+        assert torch.equal(torch.isneginf(wide), torch.isneginf(ref)) and not wide.isnan().any()  # many rows' tile
+        torch.testing.assert_close(wide[fin], ref[fin], rtol=1e-4, atol=1e-3 if dtype == torch.float32 else 3e-2)
         mass = live_part(R.exact_page_mass(q, k_pool, table, heads, n, valid_lo, length, D ** -0.5,
                                            lse=TRITON_OPS.page_lse), n)
         want = R.exact_page_mass(q, k_pool, table, heads, n, valid_lo, length, D ** -0.5)
@@ -475,6 +480,32 @@ def test_copy_pages_uses_the_kernel():
     assert copier.unavailable is None and copier._kernels, copier.unavailable  # compiled once, cached
     assert torch.equal(dev[2].cpu(), host[1]) and torch.equal(dev[0].cpu(), host[3])
     assert copier.usable(dev, torch.zeros(4, 16, 64)) is None  # pageable memory: torch fallback
+
+
+def test_the_copy_kernel_is_built_once_per_machine(tmp_path, monkeypatch):
+    """A second build of the copy kernel loads the first one's cubin from cuda.core's program cache (where the
+    installed cuda.core has one) instead of running NVRTC again, and the loaded kernel copies exactly."""
+    from flexicache_hf.kernels import uva_copy
+
+    if uva_copy._program_cache() is None:
+        pytest.skip("this cuda.core has no persistent program cache")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cc = torch.cuda.get_device_capability()
+    arch = f"sm_{cc[0]}{cc[1]}"
+    t0 = time.perf_counter()
+    uva_copy.compile_copy_kernel(arch)
+    t1 = time.perf_counter()
+    kern = uva_copy.compile_copy_kernel(arch)
+    t2 = time.perf_counter()
+    assert list(tmp_path.rglob("*")), "nothing written to the program cache"
+    assert t2 - t1 < (t1 - t0) / 2, (t1 - t0, t2 - t1)  # a cubin load, not an NVRTC build
+    copier = uva_copy.PageCopier()
+    copier._kernels[torch.cuda.current_device()] = kern
+    host = torch.randn(4, 16, 64).pin_memory()
+    dev = torch.zeros(4, 16, 64, device=DEV)
+    copier.copy_pages(dev, torch.tensor([2, 0], device=DEV), host, torch.tensor([1, 3], device=DEV))
+    torch.cuda.synchronize()
+    assert torch.equal(dev[2].cpu(), host[1]) and torch.equal(dev[0].cpu(), host[3])
 
 
 @pytest.mark.parametrize("page,share", [(8, 0.4), (8, 0.0), (16, 1.0)])
