@@ -24,6 +24,49 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 # ---- copy_pages host side (no Triton, runs in both processes) ---------------------------------------------
+def test_the_copy_kernel_build_falls_back_from_its_program_cache(monkeypatch):
+    """The copy kernel is built through cuda.core's program cache; a cache that fails (unwritable, a damaged entry,
+    a cuda.core whose compile takes no cache) costs a plain NVRTC build, never the kernel."""
+    import types
+
+    from flexicache_hf.kernels import uva_copy
+
+    calls = []
+
+    class Program:
+        def __init__(self, source, code_type, options):
+            assert source == uva_copy._SOURCE and code_type == "c++" and options == ("sm_90", "flexicache_uva_copy")
+
+        def compile(self, target, cache=None):
+            calls.append(cache)
+            if cache is not None and cache.broken:
+                raise TypeError("compile() got an unexpected keyword argument 'cache'")
+            return types.SimpleNamespace(get_kernel=lambda name: ("kernel", name, cache is not None))
+
+    class Cache:
+        def __init__(self, broken):
+            self.broken, self.closed = broken, False
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.closed = True
+
+    core = types.SimpleNamespace(Program=Program, ProgramOptions=lambda arch, name: (arch, name))
+    monkeypatch.setattr(uva_copy, "cuda_core", lambda: core)
+    for broken, through_cache in ((False, True), (True, False)):
+        cache = Cache(broken)
+        monkeypatch.setattr(uva_copy, "_program_cache", lambda: cache)
+        calls.clear()
+        assert uva_copy.compile_copy_kernel("sm_90") == ("kernel", uva_copy._KERNEL_NAME, through_cache)
+        assert calls == ([cache] if through_cache else [cache, None]) and cache.closed
+    calls.clear()
+    assert uva_copy.compile_copy_kernel("sm_90", cached=False)[2] is False and calls == [None]
+    monkeypatch.setattr(uva_copy, "_program_cache", lambda: None)  # no cache in this cuda.core
+    assert uva_copy.compile_copy_kernel("sm_90")[2] is False
+
+
 def test_copy_plan_caps_grid_and_chunks():
     from flexicache_hf.kernels.uva_copy import Launch, plan_launches
 

@@ -191,11 +191,38 @@ def host_resident(t: torch.Tensor) -> bool:
     return err == driver.CUresult.CUDA_SUCCESS and int(kind) == int(driver.CUmemorytype.CU_MEMORYTYPE_HOST)
 
 
-def compile_copy_kernel(arch: str):
-    """NVRTC-compile the copy kernel for ``arch`` (e.g. ``"sm_90"``) and return its ``cuda.core`` Kernel."""
+def compile_copy_kernel(arch: str, *, cached: bool = True):
+    """NVRTC-compile the copy kernel for ``arch`` (e.g. ``"sm_90"``) and return its ``cuda.core`` Kernel.
+
+    ``cached``: through ``cuda.core``'s persistent program cache where the installed ``cuda.core`` has one
+    (``FileStreamProgramCache``, in the ``cuda-python`` user cache; its keys pin the source, the options and the
+    NVRTC version), so only a machine's first process pays the NVRTC build (~0.4 s on an H100 host, inside its
+    first cache's first prefill, run 31d) and later ones load the cubin.  A cache that cannot be opened or
+    written, or an entry that does not load, is skipped: the kernel is then compiled as without it (not checked on
+    a GPU yet: ``tests/gpu/test_kernels_gpu.py::test_the_copy_kernel_is_built_once_per_machine``).
+    """
     core = cuda_core()
     opts = core.ProgramOptions(arch=arch, name="flexicache_uva_copy")
-    return core.Program(_SOURCE, code_type="c++", options=opts).compile("cubin").get_kernel(_KERNEL_NAME)
+    program = core.Program(_SOURCE, code_type="c++", options=opts)
+    cache = _program_cache() if cached else None
+    if cache is not None:
+        try:
+            with cache:
+                return program.compile("cubin", cache=cache).get_kernel(_KERNEL_NAME)
+        except Exception:  # noqa: BLE001 - an unwritable cache, a damaged entry, a compile without `cache=`:
+            pass  # build it as without a cache (a real NVRTC error raises again there)
+    return program.compile("cubin").get_kernel(_KERNEL_NAME)
+
+
+def _program_cache():
+    """``cuda.core``'s persistent program cache at its default place, or ``None`` (too old a ``cuda.core``, or a
+    cache directory that cannot be made)."""
+    try:
+        from cuda.core.utils import FileStreamProgramCache
+
+        return FileStreamProgramCache()
+    except (ImportError, OSError):
+        return None
 
 
 class _TorchStream:
