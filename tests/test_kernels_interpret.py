@@ -755,7 +755,7 @@ else:
             num_pages, seq_len = torch.tensor([count]), torch.tensor([length])
             for heads in (torch.tensor([1]), torch.tensor([2, 0])):
                 ref = R.page_lse(q, k_pool, tbl, heads, num_pages, valid_lo, seq_len, scale)
-                for block_n in (None, 16):
+                for block_n in (None, 16, 128):  # 128: the tile of launches over >= 16 (row, head) pairs
                     ours = page_lse(q, k_pool, tbl, heads, num_pages, valid_lo, seq_len, scale, block_n=block_n)
                     assert ours.dtype == torch.float32 and ours.shape == ref.shape == (B, heads.numel(), group, cap)
                     ours = live_part(ours, num_pages)
@@ -763,6 +763,9 @@ else:
                     assert bool(torch.isneginf(ours[1, :, :, 0]).all())  # row 1's first page: all padding
                     fin = torch.isfinite(ref)
                     torch.testing.assert_close(ours[fin], ref[fin], **tol)
+        from flexicache_hf.kernels.page_lse import _tile
+
+        assert (_tile(8, 15), _tile(8, 16), _tile(256, 16)) == (64, 128, 256)
         assert page_lse(q, k_pool, table, torch.tensor([], dtype=torch.long), torch.tensor([n]), valid_lo,
                         torch.tensor([L]), scale).shape == (B, 0, group, cap)
         empty = page_lse(q[:0], k_pool, table[:0], torch.tensor([0]), torch.tensor([n]), valid_lo[:0],
