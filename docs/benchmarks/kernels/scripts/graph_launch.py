@@ -83,8 +83,8 @@ def nvrtc_nodes():
 
     def module_node(x):
         make_current(x.device.index)
-        (e,) = driver.cuLaunchKernel(func, 1, 1, 1, 32, 1, 1, 0, driver.CUstream(torch.cuda.current_stream().cuda_stream),
-                                     ((x.data_ptr(),), (ctypes.c_void_p,)), 0)
+        stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
+        (e,) = driver.cuLaunchKernel(func, 1, 1, 1, 32, 1, 1, 0, stream, ((x.data_ptr(),), (ctypes.c_void_p,)), 0)
         assert e == driver.CUresult.CUDA_SUCCESS, e
     return library_node, module_node
 
