@@ -4,7 +4,7 @@ Run 31c (H200): the README call's graph (1,455 kernels) reached the device 2.84 
 began (the launch call itself: 2.90 ms), StaticCache's (710 kernels) after 0.08 ms (its call: 1.10 ms). This probe
 captures graphs of N tiny kernels of one kind each and times, over replays of an idle GPU: the host's ``replay()``
 call, and the call plus the device's run (``replay(); synchronize()``).  A graph whose device run starts early ends
-near max(call, device run); one that waits for the whole launch, near their sum.  Kinds: Triton and aten kernels,
+near max(call, device run); one that waits for the whole launch, near their sum.  Kinds: Triton kernels (also with 30 arguments), aten kernels,
 graphs of half as many nodes, the tier-copy kernel (its lists all "no page"; device or pinned host source), and a
 one-line NVRTC kernel launched as ``cuda.core`` launches the copy kernel (a library kernel) or as a plain module
 function (``cuModuleLoadData``), which splits the loading path from the node count.
@@ -31,8 +31,22 @@ def _bump(x_ptr, n, BLOCK: tl.constexpr):
     tl.store(x_ptr + i, tl.load(x_ptr + i, mask=m) + 1, mask=m)
 
 
+@triton.jit
+def _bump_wide(x_ptr, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18, a19,
+               a20, a21, a22, a23, n, s0, s1, s2, s3, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    tl.store(x_ptr + i, tl.load(x_ptr + i, mask=m) + 1, mask=m)
+
+
 def triton_node(x):
     _bump[(1,)](x, x.numel(), BLOCK=1024)
+
+
+def triton_wide_node(x):
+    """The same work with 30 arguments (24 pointers), as FlexiCache's attention kernels take: a node's parameter
+    block, not its work, differs."""
+    _bump_wide[(1,)](x, *([x] * 24), x.numel(), 3, 5, 7, 11, BLOCK=1024)
 
 
 def aten_node(x):
@@ -146,6 +160,7 @@ def main():
         "triton": ([(triton_node, 1.0)], n),
         "triton_half": ([(triton_node, 1.0)], half),
         "aten": ([(aten_node, 1.0)], n),
+        "triton_wide": ([(triton_wide_node, 1.0)], n),
         "triton+copy_dev": ([(triton_node, 1 - 64 / n), (copy_dev, 64 / n)], n),
         "triton+copy_host": ([(triton_node, 1 - 64 / n), (copy_host, 64 / n)], n),
         "triton_half+copy_host": ([(triton_node, 1 - 64 / half), (copy_host, 64 / half)], half),
