@@ -4,10 +4,11 @@ Run 31c (H200): the README call's graph (1,455 kernels) reached the device 2.84 
 began (the launch call itself: 2.90 ms), StaticCache's (710 kernels) after 0.08 ms (its call: 1.10 ms). This probe
 captures graphs of N tiny kernels of one kind each and times, over replays of an idle GPU: the host's ``replay()``
 call, and the call plus the device's run (``replay(); synchronize()``).  A graph whose device run starts early ends
-near max(call, device run); one that waits for the whole launch, near their sum.  Kinds: Triton kernels (also with 30 arguments), aten kernels,
-graphs of half as many nodes, the tier-copy kernel (its lists all "no page"; device or pinned host source), and a
-one-line NVRTC kernel launched as ``cuda.core`` launches the copy kernel (a library kernel) or as a plain module
-function (``cuModuleLoadData``), which splits the loading path from the node count.
+near max(call, device run); one that waits for the whole launch, near their sum.  Kinds: Triton kernels (also
+with 30 arguments), aten kernels, graphs of half as many nodes, the tier-copy kernel (its lists all "no page";
+device or pinned host source), and a one-line NVRTC kernel launched as ``cuda.core`` launches the copy kernel (a
+library kernel) or as a plain module function (``cuModuleLoadData``), which splits the loading path from the node
+count.
 
     python docs/benchmarks/kernels/scripts/graph_launch.py [--nodes 1455] [--json FILE]
 """
