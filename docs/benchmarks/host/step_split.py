@@ -8,7 +8,9 @@ the compiled forward ``generate`` calls, and entering and leaving every ``CUDAGr
 ``gen`` (stamp to the compiled call: generate's Python), ``pre`` (the call to its replay: Dynamo's guards, AOT and
 cudagraph trees' wrappers, the input copy), ``launch`` (the replay call), ``post`` (the replay's return to the
 call's), ``wait`` (the call's return to the next stamp: logits processing and waiting for the device).
-Each row also reports the live threads during its steps.
+Each row also reports the live threads during its steps.  ``--affinity gpu-node`` first restricts the process (and
+so every thread it starts, the page-locking threads included) to the CPUs of the GPU's NUMA node, so first-touch
+places the host tier's pages there: a probe of whether the node a pinned page lives on moves the step.
 
     python docs/benchmarks/host/step_split.py --case 16x16384 --rows flexicache-unsized,static-sdpa_grouped
 """
@@ -51,13 +53,36 @@ def split(clock_stamps, calls, replays):
     return {k: round(1e3 * statistics.median(r[k] for r in rows), 3) for k in rows[0]} | {"steps": len(rows)}
 
 
+def gpu_numa_node() -> int:
+    import subprocess
+
+    bus = subprocess.run(["nvidia-smi", "--query-gpu=pci.bus_id", "--format=csv,noheader"], capture_output=True,
+                         text=True, check=True).stdout.split()[0].lower()  # 00000000:19:00.0
+    return int(open(f"/sys/bus/pci/devices/{bus[-12:]}/numa_node").read())
+
+
+def bind_to_gpu_node() -> tuple:
+    import os
+
+    node = gpu_numa_node()
+    if node < 0:
+        return node, "no NUMA node"
+    spans = open(f"/sys/devices/system/node/node{node}/cpulist").read().strip().split(",")
+    cpus = {c for span in spans for c in range(int(span.split("-")[0]), int(span.split("-")[-1]) + 1)}
+    os.sched_setaffinity(0, cpus)
+    return node, len(cpus)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--case", default="16x16384")
     ap.add_argument("--rows", default="flexicache-unsized,static-sdpa_grouped")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--json")
+    ap.add_argument("--affinity", choices=("none", "gpu-node"), default="none")
     args = ap.parse_args()
+    if args.affinity == "gpu-node":
+        print("bound to", bind_to_gpu_node(), flush=True)
 
     import flexicache_hf  # noqa: F401
     from flexicache_hf.bench.generate.cli import build_parser, load
