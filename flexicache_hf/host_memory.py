@@ -6,7 +6,9 @@ torch's cached blocks), and rounds every block up to a power of two (host memory
 rows at 30k where exact sizes fit ~29).  A :class:`PinnedBlock` is instead
 
 1. an anonymous private mapping of exactly the bytes asked for (the OS rounds it up to whole 4 KiB pages);
-2. populated by several threads at once, each faulting a disjoint chunk in (``madvise(MADV_POPULATE_WRITE)``,
+2. placed on the NUMA node nearest the GPU where the host has several (``mbind``, ``MPOL_PREFERRED``: the GPU's
+   UVA reads of a promoted page then stay off the link between sockets; a full node spills to another), and
+   populated by several threads at once, each faulting a disjoint chunk in (``madvise(MADV_POPULATE_WRITE)``,
    Linux 5.14+; a write to every byte on older kernels): faulting pages in is the part that parallelises;
 3. registered with CUDA once (``cuMemHostRegister``, portable and mapped): page-locked for every context, and, with
    unified addressing, addressed on the device at its host address (checked: the copy kernels and the tier's CUDA
@@ -23,8 +25,11 @@ from __future__ import annotations
 import ctypes
 import errno
 import math
+import functools
+import glob
 import mmap
 import os
+import platform
 import threading
 import time
 import warnings
@@ -82,6 +87,9 @@ class PinSettings:
             4 KiB pages); ``False`` advises against.
         piece_bytes: register a block in pieces of at most this many bytes (``None``: in one call, in pieces only
             when that is refused); the pieces never split a page or a copy's row.
+        numa: ``True`` (the default) prefers the NUMA node nearest the pinning GPU for the pages (on a host of
+            several nodes; see :func:`device_numa_node`); ``False`` leaves them where the populating threads touch
+            them first.
     """
 
     threads: int = field(default_factory=default_threads)
@@ -89,6 +97,7 @@ class PinSettings:
     pinners: int = 2
     hugepages: bool | None = True
     piece_bytes: int | None = None
+    numa: bool = True
 
     def __post_init__(self) -> None:
         if self.threads < 0 or self.pinners < 1 or self.chunk_bytes < PAGE or self.chunk_bytes % PAGE:
@@ -102,14 +111,18 @@ _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.syscall.restype = ctypes.c_long
 _MAP_FAILED = ctypes.c_void_p(-1).value
+_SYS_MBIND = {"x86_64": 237, "aarch64": 235}.get(platform.machine())  # <asm/unistd.h>; glibc exports no mbind
+MPOL_PREFERRED = 1  # <linux/mempolicy.h>
 _populate_write = [True]  # whether the kernel has MADV_POPULATE_WRITE (a probe's result, learnt once)
 
 
-def map_anonymous(nbytes: int, hugepages: bool | None = None, reserve: bool = True) -> int:
+def map_anonymous(nbytes: int, hugepages: bool | None = None, reserve: bool = True, node: int | None = None) -> int:
     """The address of a new private anonymous read-write mapping of ``nbytes`` (page-aligned, not yet populated).
     ``reserve=False`` maps with ``MAP_NORESERVE``: address space only, no swap or overcommit charge until populated
-    (:class:`~flexicache_hf.vmm.HostRange` reserves a whole context this way)."""
+    (:class:`~flexicache_hf.vmm.HostRange` reserves a whole context this way).  ``node``: the NUMA node its pages
+    prefer (:func:`prefer_node`)."""
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (0 if reserve else MAP_NORESERVE)
     addr = _libc.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
     if addr is None or addr == _MAP_FAILED:
@@ -117,7 +130,56 @@ def map_anonymous(nbytes: int, hugepages: bool | None = None, reserve: bool = Tr
         raise HostMemoryError(f"mapping {format_bytes(nbytes)} of host memory failed: {os.strerror(err)}")
     if hugepages is not None:  # advice only: a kernel without transparent huge pages refuses, and nothing changes
         _libc.madvise(addr, nbytes, mmap.MADV_HUGEPAGE if hugepages else mmap.MADV_NOHUGEPAGE)
+    if node is not None:
+        prefer_node(addr, nbytes, node)
     return addr
+
+
+def prefer_node(addr: int, nbytes: int, node: int) -> bool:
+    """Ask the kernel to place the pages of ``[addr, addr + nbytes)`` (page-aligned, not yet populated) on NUMA node
+    ``node`` (``mbind``, ``MPOL_PREFERRED``: on another node when that one is full, never a failure).  Advice only:
+    False where the platform or the kernel refuses, and nothing changes."""
+    if _SYS_MBIND is None or not 0 <= node < 64:
+        return False
+    mask = ctypes.c_ulong(1 << node)  # maxnode counts one past the mask's bits, as numactl passes it
+    return _libc.syscall(_SYS_MBIND, ctypes.c_void_p(addr), ctypes.c_ulong(nbytes), ctypes.c_int(MPOL_PREFERRED),
+                         ctypes.byref(mask), ctypes.c_ulong(65), ctypes.c_uint(0)) == 0
+
+
+def numa_nodes() -> int:
+    """The host's NUMA nodes (1 where the kernel lists none)."""
+    return max(1, len(glob.glob("/sys/devices/system/node/node[0-9]*")))
+
+
+@functools.cache
+def device_numa_node(device: int) -> int | None:
+    """The host NUMA node nearest CUDA device ``device``: the driver's ``HOST_NUMA_ID``, else the node the kernel
+    gives the device's PCI function; ``None`` on a host of one node or where neither says (a hardware fact,
+    learnt once per device)."""
+    if numa_nodes() < 2:
+        return None
+    driver = _driver(device)
+    attr = driver.CUdevice_attribute
+    err, node = driver.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID, device)
+    if err == driver.CUresult.CUDA_SUCCESS and node >= 0:
+        return node
+    ids = [driver.cuDeviceGetAttribute(a, device) for a in (attr.CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID,
+                                                           attr.CU_DEVICE_ATTRIBUTE_PCI_BUS_ID,
+                                                           attr.CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)]
+    if any(e != driver.CUresult.CUDA_SUCCESS for e, _ in ids):
+        return None
+    (_, dom), (_, bus), (_, dev) = ids
+    try:
+        with open(f"/sys/bus/pci/devices/{dom:04x}:{bus:02x}:{dev:02x}.0/numa_node") as f:
+            node = int(f.read())
+    except (OSError, ValueError):
+        return None
+    return node if node >= 0 else None
+
+
+def pages_node(device: int | None, settings: PinSettings) -> int | None:
+    """The node a pinned mapping for ``device`` prefers under ``settings`` (None: first touch decides)."""
+    return device_numa_node(device) if settings.numa and device is not None else None
 
 
 def unmap(addr: int, nbytes: int) -> None:
@@ -257,7 +319,7 @@ class PinnedBlock:
         self.key = (nbytes, align, device)  # a block registered under one device is lent to tiers on it only
         self.spans: list[tuple[int, int]] = []
         t0 = time.perf_counter()
-        self.addr = map_anonymous(nbytes, settings.hugepages)
+        self.addr = map_anonymous(nbytes, settings.hugepages, node=pages_node(device, settings))
         try:
             if settings.threads:
                 populate(self.addr, nbytes, settings.chunk_bytes, pool)

@@ -37,8 +37,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .host_memory import (PAGE, HostMemoryError, PinSettings, _driver, discard, format_bytes, map_anonymous, populate,
-                          populate_pool, register, unmap, unregister)
+from .host_memory import (PAGE, HostMemoryError, PinSettings, _driver, discard, format_bytes, map_anonymous, pages_node,
+                          populate, populate_pool, register, unmap, unregister)
 
 _BYTES = {1: "|u1", 2: "<i2", 4: "<i4", 8: "<i8"}  # __cuda_array_interface__ type codes by width (no bfloat16 code)
 
@@ -343,7 +343,9 @@ class HostRange(_Range):
         self.unit = math.lcm(PAGE, align)
         self.chunk_bytes = round_up(max(chunk_bytes, 1), self.unit)
         reserved = round_up(max_bytes, self.unit)
-        self._mem = _HostMemory(map_anonymous(reserved, self.settings.hugepages, reserve=False), reserved, self.device)
+        addr = map_anonymous(reserved, self.settings.hugepages, reserve=False,
+                             node=pages_node(self.device, self.settings))
+        self._mem = _HostMemory(addr, reserved, self.device)
         self._lock = threading.Lock()
         self._finalizer = weakref.finalize(self, self._mem.free)
         self._finalizer.atexit = False

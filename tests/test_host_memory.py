@@ -308,3 +308,52 @@ def test_threads_importing_cuda_core_at_once_all_get_it():
         out = subprocess.run([sys.executable, "-c", _IMPORT_RACE], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         assert out.stdout.split()[0] == "0", out.stdout
+
+
+def _numa_policy(addr: int) -> str:
+    """The policy ``/proc/self/numa_maps`` shows for the mapping at ``addr``."""
+    for line in open("/proc/self/numa_maps"):
+        if line.startswith(f"{addr:x} "):
+            return line.split()[1]
+    raise AssertionError("mapping not listed")
+
+
+@pytest.mark.skipif(host_memory._SYS_MBIND is None, reason="mbind's syscall number is known for x86-64 and arm64")
+def test_a_mapping_prefers_the_node_it_is_given_and_keeps_first_touch_otherwise():
+    n = 4 * PAGE
+    placed, plain = host_memory.map_anonymous(n, None, node=0), host_memory.map_anonymous(n, None)
+    try:
+        host_memory.populate(placed, n, n, None), host_memory.populate(plain, n, n, None)
+        assert _numa_policy(placed) == "prefer:0"
+        assert _numa_policy(plain) == "default"
+        assert not host_memory.prefer_node(placed, n, 64)  # past the mask: refused, nothing changed
+        assert _numa_policy(placed) == "prefer:0"
+    finally:
+        host_memory.unmap(placed, n), host_memory.unmap(plain, n)
+
+
+def test_pages_prefer_the_gpus_node_only_when_asked_and_pinned(monkeypatch):
+    monkeypatch.setattr(host_memory, "device_numa_node", lambda device: {0: 1}[device])
+    assert host_memory.pages_node(0, PinSettings()) == 1
+    assert host_memory.pages_node(0, PinSettings(numa=False)) is None
+    assert host_memory.pages_node(None, PinSettings()) is None  # pageable (the CPU path): first touch
+
+
+def test_a_host_of_one_node_asks_the_driver_nothing(monkeypatch):
+    monkeypatch.setattr(host_memory, "numa_nodes", lambda: 1)
+    monkeypatch.setattr(host_memory, "_driver", lambda device: pytest.fail("the driver was asked"))
+    host_memory.device_numa_node.cache_clear()
+    try:
+        assert host_memory.device_numa_node(0) is None
+    finally:
+        host_memory.device_numa_node.cache_clear()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locks through the CUDA driver")
+def test_a_pinned_block_prefers_its_gpus_node():
+    node = host_memory.device_numa_node(0)
+    block = PinnedBlock(4 * PAGE, device=0)
+    try:
+        assert _numa_policy(block.addr) == ("default" if node is None else f"prefer:{node}")
+    finally:
+        block.free()

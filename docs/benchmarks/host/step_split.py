@@ -10,7 +10,9 @@ cudagraph trees' wrappers, the input copy), ``launch`` (the replay call), ``post
 call's), ``wait`` (the call's return to the next stamp: logits processing and waiting for the device).
 Each row also reports the live threads during its steps.  ``--affinity gpu-node`` first restricts the process (and
 so every thread it starts, the page-locking threads included) to the CPUs of the GPU's NUMA node, so first-touch
-places the host tier's pages there: a probe of whether the node a pinned page lives on moves the step.
+places the host tier's pages there: a probe of whether the node a pinned page lives on moves the step.  ``--numa
+off`` takes back the library's own placement (``PinSettings.numa``: pages prefer the GPU's node), so first touch
+decides, as before it.
 
     python docs/benchmarks/host/step_split.py --case 16x16384 --rows flexicache-unsized,static-sdpa_grouped
 """
@@ -80,9 +82,16 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--json")
     ap.add_argument("--affinity", choices=("none", "gpu-node"), default="none")
+    ap.add_argument("--numa", choices=("on", "off"), default="on")
     args = ap.parse_args()
+    if args.numa == "off":
+        from flexicache_hf import host_memory
+
+        host_memory.device_numa_node = lambda device: None
     if args.affinity == "gpu-node":
         print("bound to", bind_to_gpu_node(), flush=True)
+    from flexicache_hf.host_memory import device_numa_node
+    print("GPU's node", device_numa_node(0), "numa", args.numa, flush=True)
 
     import flexicache_hf  # noqa: F401
     from flexicache_hf.bench.generate.cli import build_parser, load
