@@ -16,6 +16,23 @@ import pstats
 from pathlib import Path
 
 
+def load_case(case: str, new_tokens: int):
+    """``(model, profile, prompt ids, bench.generate's arguments)`` for a ``BATCHxPROMPT`` case: bench.generate's
+    Llama-3.1-8B shape (random weights) and prompts, the grouped SDPA of its StaticCache rows registered."""
+    import flexicache_hf  # noqa: F401  (registers "flexicache")
+
+    from .generate.cli import build_parser, load
+    from .generate.device import default_host_limit_gb
+    from .grouped_sdpa import register
+
+    register()
+    batch, length = (int(x) for x in case.split("x"))
+    gen = build_parser().parse_args(["--cases", case, "--new-tokens", str(new_tokens)])
+    gen.host_limit_gb = default_host_limit_gb()
+    model, profile, prompt = load(gen)
+    return model, profile, prompt(batch, length), gen
+
+
 def main(argv=None) -> list[tuple]:
     ap = argparse.ArgumentParser(prog="python -m flexicache_hf.bench.host_probe", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -25,19 +42,10 @@ def main(argv=None) -> list[tuple]:
     ap.add_argument("--out", type=Path, default=Path("."))
     args = ap.parse_args(argv)
 
-    import flexicache_hf  # noqa: F401  (registers "flexicache")
-
-    from .generate.cli import build_parser, load
-    from .generate.device import default_host_limit_gb, release
+    from .generate.device import release
     from .generate.run import generate_once
-    from .grouped_sdpa import register
 
-    register()
-    batch, length = (int(x) for x in args.case.split("x"))
-    gen = build_parser().parse_args(["--cases", args.case, "--new-tokens", str(args.new_tokens)])
-    gen.host_limit_gb = default_host_limit_gb()
-    model, profile, prompt = load(gen)
-    ids = prompt(batch, length)
+    model, profile, ids, gen = load_case(args.case, args.new_tokens)
     args.out.mkdir(parents=True, exist_ok=True)
     summary = []
     for row in args.rows.split(","):

@@ -93,19 +93,12 @@ def main():
     from flexicache_hf.host_memory import device_numa_node
     print("GPU's node", device_numa_node(0), "numa", args.numa, flush=True)
 
-    import flexicache_hf  # noqa: F401
-    from flexicache_hf.bench.generate.cli import build_parser, load
     from flexicache_hf.bench.generate.clock import StepClock
-    from flexicache_hf.bench.generate.device import default_host_limit_gb, release
+    from flexicache_hf.bench.generate.device import release
     from flexicache_hf.bench.generate.run import generate_once
-    from flexicache_hf.bench.grouped_sdpa import register
+    from flexicache_hf.bench.host_probe import load_case
 
-    register()
-    batch, length = (int(x) for x in args.case.split("x"))
-    gen = build_parser().parse_args(["--cases", args.case, "--new-tokens", str(args.new_tokens)])
-    gen.host_limit_gb = default_host_limit_gb()
-    model, profile, prompt = load(gen)
-    ids = prompt(batch, length)
+    model, profile, ids, gen = load_case(args.case, args.new_tokens)
 
     stamps = Stamps()
     orig_get = model.get_compiled_call
