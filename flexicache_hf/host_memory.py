@@ -158,7 +158,15 @@ def device_numa_node(device: int) -> int | None:
     learnt once per device)."""
     if numa_nodes() < 2:
         return None
-    driver = _driver(device)
+    try:
+        return _nearest_node(_driver(device), device)
+    except Exception as e:  # noqa: BLE001  (placement is advice: pages then go where they are first touched)
+        warnings.warn(f"FlexiCache: the NUMA node nearest cuda:{device} is unknown ({e}); the host tier's pages go "
+                      "where they are first touched")
+        return None
+
+
+def _nearest_node(driver, device: int) -> int | None:
     attr = driver.CUdevice_attribute
     err, node = driver.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID, device)
     if err == driver.CUresult.CUDA_SUCCESS and node >= 0:

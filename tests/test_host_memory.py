@@ -357,3 +357,64 @@ def test_a_pinned_block_prefers_its_gpus_node():
         assert _numa_policy(block.addr) == ("default" if node is None else f"prefer:{node}")
     finally:
         block.free()
+
+
+class _FakeDriver:
+    """cuda.bindings.driver's few names device_numa_node reads: HOST_NUMA_ID answers ``numa_id`` (an error when
+    None), the PCI attributes domain 0, bus 0x19, device 0."""
+
+    class CUresult:
+        CUDA_SUCCESS, CUDA_ERROR_INVALID_VALUE = 0, 1
+
+    class CUdevice_attribute:
+        CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID, CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID = "numa", "domain"
+        CU_DEVICE_ATTRIBUTE_PCI_BUS_ID, CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID = "bus", "device"
+
+    def __init__(self, numa_id):
+        self.numa_id = numa_id
+
+    def cuDeviceGetAttribute(self, attr, device):
+        if attr == "numa":
+            return (1, -1) if self.numa_id is None else (0, self.numa_id)
+        return 0, {"domain": 0, "bus": 0x19, "device": 0}[attr]
+
+
+@pytest.mark.parametrize("numa_id, sysfs, want", [(1, None, 1), (None, "0\n", 0), (None, "-1\n", None),
+                                                  (None, OSError, None)])
+def test_the_gpus_node_comes_from_the_driver_else_its_pci_function(monkeypatch, numa_id, sysfs, want):
+    import builtins
+
+    real_open, seen = builtins.open, []
+
+    def fake_open(path, *a, **k):
+        if str(path).startswith("/sys/bus/pci/devices/"):
+            seen.append(path)
+            if sysfs is OSError:
+                raise OSError("no such file")
+            import io
+            return io.StringIO(sysfs)
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", fake_open)
+    monkeypatch.setattr(host_memory, "numa_nodes", lambda: 2)
+    monkeypatch.setattr(host_memory, "_driver", lambda device: _FakeDriver(numa_id))
+    host_memory.device_numa_node.cache_clear()
+    try:
+        assert host_memory.device_numa_node(0) == want
+    finally:
+        host_memory.device_numa_node.cache_clear()
+    assert seen == ([] if numa_id is not None else ["/sys/bus/pci/devices/0000:19:00.0/numa_node"])
+
+
+def test_a_driver_that_fails_leaves_placement_to_first_touch_with_a_warning(monkeypatch):
+    def broken(device):
+        raise HostMemoryError("no driver")
+
+    monkeypatch.setattr(host_memory, "numa_nodes", lambda: 2)
+    monkeypatch.setattr(host_memory, "_driver", broken)
+    host_memory.device_numa_node.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="first touched"):
+            assert host_memory.device_numa_node(0) is None
+    finally:
+        host_memory.device_numa_node.cache_clear()
