@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import math
 import functools
 import glob
+import math
 import mmap
 import os
 import platform

@@ -311,9 +311,16 @@ def test_threads_importing_cuda_core_at_once_all_get_it():
 
 
 def _numa_policy(addr: int) -> str:
-    """The policy ``/proc/self/numa_maps`` shows for the mapping at ``addr``."""
+    """The policy ``/proc/self/numa_maps`` shows for the mapping holding ``addr`` (the kernel may merge a mapping
+    with a neighbour of the same policy: its line starts at their first address)."""
+    for line in open("/proc/self/maps"):
+        start, end = (int(x, 16) for x in line.split()[0].split("-"))
+        if start <= addr < end:
+            break
+    else:
+        raise AssertionError("address not mapped")
     for line in open("/proc/self/numa_maps"):
-        if line.startswith(f"{addr:x} "):
+        if line.startswith(f"{start:x} "):
             return line.split()[1]
     raise AssertionError("mapping not listed")
 
@@ -418,3 +425,22 @@ def test_a_driver_that_fails_leaves_placement_to_first_touch_with_a_warning(monk
             assert host_memory.device_numa_node(0) is None
     finally:
         host_memory.device_numa_node.cache_clear()
+
+
+@pytest.mark.skipif(host_memory._SYS_MBIND is None, reason="mbind's syscall number is known for x86-64 and arm64")
+def test_pinned_blocks_and_host_ranges_map_on_their_gpus_node(monkeypatch):
+    from flexicache_hf import vmm
+
+    monkeypatch.setattr(host_memory, "device_numa_node", lambda device: 0)  # (a host whose GPU is near node 0)
+    for module in (host_memory, vmm):  # page-locking needs CUDA: registered spans stand in
+        monkeypatch.setattr(module, "register", lambda addr, n, device, align=1, piece=None: [])
+    block = PinnedBlock(4 * PAGE, device=0)
+    host = vmm.HostRange(8 * PAGE, device=0, chunk_bytes=PAGE)
+    plain = PinnedBlock(4 * PAGE, device=0, settings=PinSettings(numa=False))
+    try:
+        host.grow_to(PAGE)
+        assert _numa_policy(block.addr) == "prefer:0"
+        assert _numa_policy(host._live().start) == "prefer:0"
+        assert _numa_policy(plain.addr) == "default"
+    finally:
+        block.free(), plain.free()
