@@ -55,20 +55,14 @@ def split(clock_stamps, calls, replays):
     return {k: round(1e3 * statistics.median(r[k] for r in rows), 3) for k in rows[0]} | {"steps": len(rows)}
 
 
-def gpu_numa_node() -> int:
-    import subprocess
-
-    bus = subprocess.run(["nvidia-smi", "--query-gpu=pci.bus_id", "--format=csv,noheader"], capture_output=True,
-                         text=True, check=True).stdout.split()[0].lower()  # 00000000:19:00.0
-    return int(open(f"/sys/bus/pci/devices/{bus[-12:]}/numa_node").read())
-
-
 def bind_to_gpu_node() -> tuple:
     import os
 
-    node = gpu_numa_node()
-    if node < 0:
-        return node, "no NUMA node"
+    from flexicache_hf.host_memory import device_numa_node
+
+    node = device_numa_node(0)  # (before --numa off stands it in)
+    if node is None:
+        return node, "one NUMA node, or none known"
     spans = open(f"/sys/devices/system/node/node{node}/cpulist").read().strip().split(",")
     cpus = {c for span in spans for c in range(int(span.split("-")[0]), int(span.split("-")[-1]) + 1)}
     os.sched_setaffinity(0, cpus)
@@ -84,14 +78,13 @@ def main():
     ap.add_argument("--affinity", choices=("none", "gpu-node"), default="none")
     ap.add_argument("--numa", choices=("on", "off"), default="on")
     args = ap.parse_args()
-    if args.numa == "off":
-        from flexicache_hf import host_memory
+    from flexicache_hf import host_memory
 
-        host_memory.device_numa_node = lambda device: None
+    print("GPU's node", host_memory.device_numa_node(0), "numa", args.numa, flush=True)
     if args.affinity == "gpu-node":
         print("bound to", bind_to_gpu_node(), flush=True)
-    from flexicache_hf.host_memory import device_numa_node
-    print("GPU's node", device_numa_node(0), "numa", args.numa, flush=True)
+    if args.numa == "off":
+        host_memory.device_numa_node = lambda device: None
 
     from flexicache_hf.bench.generate.clock import StepClock
     from flexicache_hf.bench.generate.device import release
