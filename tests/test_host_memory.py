@@ -346,14 +346,18 @@ def test_pages_prefer_the_gpus_node_only_when_asked_and_pinned(monkeypatch):
     assert host_memory.pages_node(None, PinSettings()) is None  # pageable (the CPU path): first touch
 
 
-def test_a_host_of_one_node_asks_the_driver_nothing(monkeypatch):
+@pytest.fixture
+def fresh_node_lookup():
+    """device_numa_node learns a device's node once per process: each test looks it up afresh and leaves no answer."""
+    host_memory.device_numa_node.cache_clear()
+    yield
+    host_memory.device_numa_node.cache_clear()
+
+
+def test_a_host_of_one_node_asks_the_driver_nothing(monkeypatch, fresh_node_lookup):
     monkeypatch.setattr(host_memory, "numa_nodes", lambda: 1)
     monkeypatch.setattr(host_memory, "_driver", lambda device: pytest.fail("the driver was asked"))
-    host_memory.device_numa_node.cache_clear()
-    try:
-        assert host_memory.device_numa_node(0) is None
-    finally:
-        host_memory.device_numa_node.cache_clear()
+    assert host_memory.device_numa_node(0) is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locks through the CUDA driver")
@@ -388,7 +392,8 @@ class _FakeDriver:
 
 @pytest.mark.parametrize("numa_id, sysfs, want", [(1, None, 1), (None, "0\n", 0), (None, "-1\n", None),
                                                   (None, OSError, None)])
-def test_the_gpus_node_comes_from_the_driver_else_its_pci_function(monkeypatch, numa_id, sysfs, want):
+def test_the_gpus_node_comes_from_the_driver_else_its_pci_function(monkeypatch, fresh_node_lookup, numa_id, sysfs,
+                                                                   want):
     import builtins
 
     real_open, seen = builtins.open, []
@@ -405,26 +410,18 @@ def test_the_gpus_node_comes_from_the_driver_else_its_pci_function(monkeypatch, 
     monkeypatch.setattr(builtins, "open", fake_open)
     monkeypatch.setattr(host_memory, "numa_nodes", lambda: 2)
     monkeypatch.setattr(host_memory, "_driver", lambda device: _FakeDriver(numa_id))
-    host_memory.device_numa_node.cache_clear()
-    try:
-        assert host_memory.device_numa_node(0) == want
-    finally:
-        host_memory.device_numa_node.cache_clear()
+    assert host_memory.device_numa_node(0) == want
     assert seen == ([] if numa_id is not None else ["/sys/bus/pci/devices/0000:19:00.0/numa_node"])
 
 
-def test_a_driver_that_fails_leaves_placement_to_first_touch_with_a_warning(monkeypatch):
+def test_a_driver_that_fails_leaves_placement_to_first_touch_with_a_warning(monkeypatch, fresh_node_lookup):
     def broken(device):
         raise HostMemoryError("no driver")
 
     monkeypatch.setattr(host_memory, "numa_nodes", lambda: 2)
     monkeypatch.setattr(host_memory, "_driver", broken)
-    host_memory.device_numa_node.cache_clear()
-    try:
-        with pytest.warns(UserWarning, match="first touched"):
-            assert host_memory.device_numa_node(0) is None
-    finally:
-        host_memory.device_numa_node.cache_clear()
+    with pytest.warns(UserWarning, match="first touched"):
+        assert host_memory.device_numa_node(0) is None
 
 
 @pytest.mark.skipif(host_memory._SYS_MBIND is None, reason="mbind's syscall number is known for x86-64 and arm64")
