@@ -79,24 +79,57 @@ class Reranker:
         self.exact_candidates = exact_candidates  # pages an "exact" head scores exactly (0: all; config.py)
         self.keep_margin = keep_margin  # a stable head's selected pages score (1 + m) times theirs (config.py)
         self.unstable_host = tuple(unstable)
-        self.num_stable = num_kv_heads - len(unstable)
-        self.all_heads = torch.arange(num_kv_heads, device=device)
-        self.stable_heads = index_tensor([h for h in range(num_kv_heads) if h not in set(unstable)], device)
-        self.unstable_heads = index_tensor(sorted(unstable), device)
+        self.num_heads, self.num_stable = num_kv_heads, num_kv_heads - len(unstable)
+        self._stable_host = tuple(h for h in range(num_kv_heads) if h not in set(unstable))
+        self._indices = self._index_block(device)
         # One scoring call for every head unless both kinds exist and score differently.
         self.split_scoring = (self.stable_scoring != self.unstable_scoring and 0 < len(unstable) < num_kv_heads)
-        self.is_stable = index_tensor([h not in set(unstable) for h in range(num_kv_heads)], device, torch.bool)
-        self.unstable_active = torch.ones(len(unstable), dtype=torch.bool, device=device)  # they re-rank every step
-        self.recent_offsets = 1 + torch.arange(self.max_recent, device=device)  # pages after the anchor
+        # [is_stable (H) | unstable_active (Hu): all true, they re-rank every step]
+        self._flags = index_tensor([h not in set(unstable) for h in range(num_kv_heads)] + [True] * len(unstable),
+                                   device, torch.bool)
         # Selected logical pages per head (ascending, -1 padded); rows of stable heads change only when due.
         self.selected = torch.full((batch, num_kv_heads, self.width), -1, dtype=torch.long, device=device)
         self.reranks = torch.zeros(num_kv_heads, dtype=torch.long, device=device)  # per-head re-rank count
         # Each row's first page holding a token that is not padding: its sink pages start there (the layer sets it)
         self.first_page = torch.zeros(batch, dtype=torch.long, device=device)
 
+    # The layer's constant head sets and the recent window's offsets live in two tensors (the int64 and the bool
+    # ones), read through the views below: a compiled decode step takes each tensor attribute as a graph input, and
+    # every input costs the compiled call host time each step (guards, AOT's and cudagraph trees' wrappers: ~2 us on
+    # the H200 host, run 32c), where slicing a traced tensor costs nothing.
+    def _index_block(self, device: torch.device) -> torch.Tensor:
+        """``[stable heads | unstable heads | every head | 1 .. max_recent]`` (int64)."""
+        return index_tensor([*self._stable_host, *sorted(self.unstable_host), *range(self.num_heads),
+                             *range(1, self.max_recent + 1)], device)
+
+    @property
+    def stable_heads(self) -> torch.Tensor:
+        return self._indices[:self.num_stable]
+
+    @property
+    def unstable_heads(self) -> torch.Tensor:
+        return self._indices[self.num_stable:self.num_heads]
+
+    @property
+    def all_heads(self) -> torch.Tensor:
+        return self._indices[self.num_heads:2 * self.num_heads]
+
+    @property
+    def recent_offsets(self) -> torch.Tensor:
+        """``[max_recent]`` pages after the anchor a stable head attends between re-ranks: 1 .. max_recent."""
+        return self._indices[2 * self.num_heads:]
+
+    @property
+    def is_stable(self) -> torch.Tensor:
+        return self._flags[:self.num_heads]
+
+    @property
+    def unstable_active(self) -> torch.Tensor:
+        """All true: the unstable heads re-rank every step (the select's ``active`` for them)."""
+        return self._flags[self.num_heads:]
+
     def buffers(self) -> list[torch.Tensor]:
-        return [self.all_heads, self.stable_heads, self.unstable_heads, self.is_stable, self.unstable_active,
-                self.recent_offsets, self.selected, self.reranks, self.first_page]
+        return [self._indices, self._flags, self.selected, self.reranks, self.first_page]
 
     def fit(self, pages: int) -> None:
         """Room for ``pages`` pages per head (the layer's grown capacity): the selection widens to
@@ -106,8 +139,8 @@ class Reranker:
             pad = self.selected.new_full((*self.selected.shape[:2], width - self.width), -1)
             self.selected, self.width = torch.cat([self.selected, pad], -1), width
         if recent > self.max_recent:
-            self.recent_offsets = 1 + torch.arange(recent, device=self.recent_offsets.device)
             self.max_recent = recent
+            self._indices = self._index_block(self._indices.device)
 
     def clear(self) -> None:
         """No page selected, no re-rank counted (in place)."""

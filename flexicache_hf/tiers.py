@@ -253,20 +253,13 @@ class HostTier:
         t = self.k_dev if which == "k" else self.v_dev
         return t.view(-1, self.page_size, self.head_dim)
 
-    @property
-    def batch(self) -> int:
-        return self._batch
-
-    @batch.setter
-    def batch(self, batch: int) -> None:
-        """Rows; with them :meth:`page_index`'s ``b * heads + h``, made once (a traced step reads it)."""
-        self._batch = batch
-        self.row_base = torch.arange(batch * self.heads, device=self.compute_device).view(batch, self.heads, 1)
-
     def page_index(self, pages: torch.Tensor | int) -> torch.Tensor:
         """Flat host page index ``(p * B + b) * heads + h`` of logical ``pages`` ``[B, heads, n]`` (int64), or of
-        one page of every row and head (an int or a ``[1]`` tensor; then ``[B, heads, 1]``)."""
-        return pages * (self.batch * self.heads) + self.row_base
+        one page of every row and head (an int or a ``[1]`` tensor; then ``[B, heads, 1]``).  The ``b * heads + h``
+        part is made here, not held: in a compiled step it fuses into the sum, where a held tensor would be one more
+        graph input (host time every step)."""
+        rows = torch.arange(self.batch * self.heads, device=self.compute_device).view(self.batch, self.heads, 1)
+        return pages * (self.batch * self.heads) + rows
 
     def write_tokens(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
         """Queue the copy of a prompt chunk ``[B, heads, T, D]`` (positions ``start..``) to the host tier: one

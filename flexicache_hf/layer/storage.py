@@ -223,7 +223,6 @@ class LayerStorage:
         """Every device tensor a decode step reads or writes here (fixed addresses once sized for max_cache_len)."""
         bufs = [self.pool.k, self.pool.v, self.pool.table_buffer, self.min_pages, self.max_pages, self.valid_lo,
                 self.tail_phys, self.slot_heads, self.full_heads, self.slots.slot_page, self.slots.slot_phys]
-        bufs.append(self.host.row_base)
         if self.host.k_dev is not None:
             bufs += [self.host.k_dev, self.host.v_dev]
         return bufs
