@@ -11,6 +11,7 @@ cases="1x16384"
 for case in $cases; do
     runs="0 64"
     [ "${PROFILE:-1}" = 1 ] && [ $case = 1x16384 ] && runs="0 64 0p"
+    runs=${RUNS:-$runs}  # e.g. RUNS="64 0p": run 32d already timed the default on that host
     for mib in $runs; do
         extra=""
         [ $mib = 0p ] && extra="--prefill-profile"
