@@ -400,3 +400,22 @@ def test_prompt_seats_the_last_querys_top_k_and_the_first_step_loads_nothing():
     lo, hi = naive_minmax(framed(full, o), torch.full((B,), o), n, ps)
     fresh = reference.select_pages(reference.page_scores(q1[:, :, 0], lo, hi, heads, n, None, "max", scale), K)
     assert torch.equal(layer.reranker.selected[:, heads], fresh)
+
+
+def test_a_layers_step_buffers_are_few_and_never_alias():
+    """A compiled decode step takes each buffer a layer holds as a graph input (each costs host time every step), and
+    two inputs sharing memory make AOT autograd merge them and cudagraph trees skip the graph.  So the reranker's
+    constant head sets live in two tensors, read through views made on use, and no two buffers share storage."""
+    cfg = tiny_config("llama", heads=8, kv_heads=4, layers=1, head_dim=8)
+    cache = FlexiCache(HeadProfile.from_unstable(cfg, [(0, 1), (0, 3)]), page_size=4, token_budget=8,
+                       kernels="reference")
+    cache.update(torch.randn(2, 4, 30, 8), torch.randn(2, 4, 30, 8), 0)
+    layer, rr = cache.layers[0], cache.layers[0].reranker
+    assert rr.stable_heads.tolist() == [0, 2] and rr.unstable_heads.tolist() == [1, 3]
+    assert rr.all_heads.tolist() == [0, 1, 2, 3] and rr.is_stable.tolist() == [True, False, True, False]
+    assert rr.unstable_active.tolist() == [True, True]
+    assert rr.recent_offsets.tolist() == list(range(1, rr.max_recent + 1))
+    reranker_buffers = rr.buffers()
+    assert len(reranker_buffers) == 5  # the head sets and offsets, the flags, the selection, counts, first pages
+    bases = [t.untyped_storage().data_ptr() for t in layer.buffers() if t.numel()]
+    assert len(bases) == len(set(bases))
