@@ -1,7 +1,7 @@
 #!/bin/bash
 # Run 33g (NOTES, "Before run 33g"): the decode step with fewer graph inputs a layer (the reranker's head sets in
 # two tensors, the host tier's row index made in the step), on a GPU: its GPU tests, then the step split of the
-# README call beside StaticCache (8 x 16k on an 80 GB card, 16 x 16k on an H200), then run 32e's first-cache case.
+# README call beside StaticCache (8 x 16k on an 80 GB card, 16 x 16k on an H200); one call, ~7 minutes.
 #   run: bash docs/benchmarks/scripts/run33g.sh   (from the checkout root on the GPU machine; writes to $OUT)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 export PYTHONPATH=$PWD
