@@ -1,7 +1,9 @@
 """flexicache_hf: FlexiCache's stability-aware hierarchical KV cache for HuggingFace transformers.
 
 Importing the package registers ``attn_implementation="flexicache"`` (attention and mask functions)
-with transformers' public ``AttentionInterface`` / ``AttentionMaskInterface``.
+with transformers' public ``AttentionInterface`` / ``AttentionMaskInterface``, and, on a machine with an NVIDIA
+driver, starts loading the CUDA kernels on a daemon thread while the user loads a model (CUDA itself is not
+initialised: :func:`flexicache_hf.kernels.table.build_ahead`).
 """
 
 from .attention import register as _register
@@ -13,8 +15,11 @@ from .head_profile import HeadProfile, ModelIdentity, ProfileError, resolve_prof
 from .recycling import kept_storage_bytes, release_storage
 from .rerank import RerankEvent, SelectionObserver
 from .host_memory import HostMemoryError
+from .kernels import table as _table
 
 _register()
+if _table.cuda_host():  # a first cache's prefill then neither makes nor waits for them (run 33j)
+    _table.build_ahead(driver=False)
 
 __all__ = [
     "CacheStateError",

@@ -109,6 +109,37 @@ print("ok")
     assert out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
+def test_importing_on_a_cuda_host_loads_the_kernels_ahead_and_a_cache_adds_only_the_driver():
+    """On a machine with an NVIDIA driver (faked here: torch's CUDA build and the driver's control device), importing
+    the package loads the kernels' modules, Triton's key and cuda.core on a daemon thread without initialising CUDA;
+    a cache's ``build_ahead`` then starts only the driver's stage, and nothing twice (run 33j: made beside a first
+    prefill, the loading cost it 0.6 s)."""
+    code = """
+import os, torch
+torch.version.cuda = "13.0"
+exists = os.path.exists
+os.path.exists = lambda p: p == "/dev/nvidiactl" or exists(p)
+import flexicache_hf
+from flexicache_hf.kernels import table
+os.path.exists = exists
+load = table._ahead["load"]
+assert load.daemon and table.build_ahead(driver=False) is None  # being made: nothing started twice
+load.join(120)
+assert table._warmed == {"load"} and table.TRITON in table._backends and not torch.cuda.is_initialized()
+import cuda.core, flexicache_hf.kernels.minmax  # loaded by the thread (importing them again finds them)
+from triton.runtime.cache import triton_key
+assert triton_key.cache_info().currsize == 1
+driver = table.build_ahead()
+assert driver is not None and driver.name == "flexicache-build-driver" and table.build_ahead() is None
+driver.join(60)
+assert table._warmed == {"load", "driver"} and table.build_ahead() is None
+print("ok")
+"""
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=240)
+    assert out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
 def test_traced_calls_bind_like_the_reference():
     """Keyword arguments, defaults (``scale=None``: D ** -0.5) and a returned ``out`` reach the ops as the reference
     takes them: a compiled function of the fields equals their eager calls."""

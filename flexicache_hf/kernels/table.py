@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import importlib.util
 import inspect
 import os
 import threading
@@ -36,6 +37,7 @@ from typing import Any, Callable
 import torch
 from torch.library import custom_op
 
+from ..cuda_context import cuda_core
 from . import reference, reference_schedule
 
 REFERENCE, TRITON = "reference", "triton"  # the backends' names (KernelOps.name: pickles carry it)
@@ -236,8 +238,10 @@ def _backend(name: str, implementation: Callable[[Kernel], Callable[..., Any]]) 
 
 REFERENCE_OPS = _backend(REFERENCE, lambda k: k.reference)
 _backends = {REFERENCE: REFERENCE_OPS}
-_building = threading.Lock()
-_ahead: dict[str, threading.Thread] = {}  # backends being built ahead of their first use (build_ahead), by name
+_building = threading.Lock()  # held while the Triton backend is made or warmed (a first use waits on it)
+_ahead_lock = threading.Lock()  # guards _ahead (never held while building: asking for a build never waits)
+_ahead: dict[str, threading.Thread] = {}  # Triton's setup being made ahead of its first use, by stage (build_ahead)
+_warmed: set[str] = set()  # the stages of the per-process setup made: "load", "driver"
 
 
 def ops_named(name: str) -> KernelOps:
@@ -246,66 +250,94 @@ def ops_named(name: str) -> KernelOps:
     if ops is None:
         if name != TRITON:
             raise ValueError(f"no kernel backend named {name!r}")
-        ops = _make_triton(warm=False)
+        ops = _make_triton(())
     return ops
 
 
-def _make_triton(*, warm: bool) -> KernelOps:
+def _make_triton(stages: tuple[str, ...]) -> KernelOps:
     """The Triton backend, made once under the build lock (a first use meanwhile waits here, not on a second build
-    of the same things); ``warm``: Triton's per-process setup too (:func:`_warm_triton`; what fails there is left to
-    Triton's own first use)."""
+    of the same things), with the ``stages`` of Triton's per-process setup not yet made (:data:`_STAGES`; what
+    fails there is left to Triton's own first use)."""
     with _building:
-        ops = _backends.get(TRITON)
-        if ops is None:
-            ops = _backend(TRITON, lambda k: cuda_twin(k.name))
-            if warm:
+        ops = _backends.get(TRITON) or _backend(TRITON, lambda k: cuda_twin(k.name))
+        for stage in stages:
+            if stage not in _warmed:
                 try:
-                    _warm_triton()
+                    _STAGES[stage]()
                 except Exception:  # noqa: BLE001 - e.g. no device: Triton's own first use reports it
                     pass
-            _backends[TRITON] = ops
+                _warmed.add(stage)
+        _backends[TRITON] = ops
         return ops
 
 
-def build_ahead(name: str = TRITON) -> threading.Thread | None:
+def build_ahead(name: str = TRITON, *, driver: bool = True) -> threading.Thread | None:
     """Build backend ``name`` on a daemon thread, once per process, ahead of its first use: Triton and cuda-python
-    imported, the kernels' modules loaded, Triton's process-wide cache key (a hash of its ~500 MB library, which
-    its first compile or cache lookup computes) and its driver made, so that a first cache's prefill does not make
-    them on its own thread.  Returns the thread, or ``None`` when the backend is made or being made (or is not
-    one built on first use).  What fails here is left to the first use, which builds the backend again and raises
-    (a first use meanwhile waits for this build)."""
-    with _building:
-        if name != TRITON or name in _backends or name in _ahead:
+    imported, the kernels' modules loaded and Triton's process-wide cache key made (a hash of its ~500 MB library,
+    which its first compile or cache lookup computes); with ``driver`` also Triton's driver, the one step that
+    initialises CUDA in the process.  So a first cache's prefill does not make them, nor wait for them.
+
+    The package starts the CUDA-free part when it is imported on a machine with an NVIDIA driver
+    (:func:`cuda_host`), while the user loads a model; a cache made on CUDA starts the rest.  Returns the thread,
+    or ``None`` when that much is made or being made (or ``name`` is not a backend built on first use).  What fails
+    here is left to the first use, which builds the backend again and raises (a first use meanwhile waits for this
+    build)."""
+    stages = ("load", "driver") if driver else ("load",)
+    with _ahead_lock:
+        if name != TRITON or all(s in _warmed or s in _ahead for s in stages):
             return None
-        thread = _ahead[name] = threading.Thread(target=_build_quietly, daemon=True, name=f"flexicache-build-{name}")
+        todo = tuple(s for s in stages if s not in _ahead)
+        thread = threading.Thread(target=_build_quietly, args=(todo,), daemon=True, name=f"flexicache-build-{todo[-1]}")
+        _ahead.update(dict.fromkeys(todo, thread))
     thread.start()
     return thread
 
 
-def _build_quietly() -> None:
+def _build_quietly(stages: tuple[str, ...]) -> None:
     try:
-        _make_triton(warm=True)
+        _make_triton(stages)
     except Exception:  # noqa: BLE001 - the first use reports it
         pass
 
 
-def _warm_triton() -> None:
-    """What Triton makes once per process before its first compile or cache lookup: its cache key (a hash of its
-    library, kept by ``functools.cache``) and its driver (a utilities module compiled from C on a cold disk cache:
-    1.5 s of the H200's first prefill in run 25)."""
+def _load() -> None:
+    """What needs no device: Triton's cache key (a hash of its library, kept by ``functools.cache``) and
+    ``cuda.core`` imported for the tier copies (with the kernels' modules, 0.6 s of a first cache's prefill on an
+    H100 host when made beside it, run 33j)."""
     try:
         from triton.runtime.cache import triton_key
     except ImportError:  # older Triton
         from triton.compiler.compiler import triton_key
     triton_key()
+    try:
+        cuda_core()
+    except ImportError:  # no cuda-python: the copies fall back to torch indexing
+        pass
+
+
+def _triton_driver() -> None:
+    """Triton's driver: a utilities module compiled from C on a cold disk cache (1.5 s of the H200's first prefill
+    in run 25); asking whether it is active initialises CUDA."""
     from triton.runtime.driver import driver
     driver.active  # noqa: B018 - made on first access
 
 
+_STAGES = {"load": _load, "driver": _triton_driver}
+
+
+def cuda_host() -> bool:
+    """Whether this machine has an NVIDIA driver and this process may use a GPU, asked without initialising CUDA
+    (a process that has not, forks children that can): torch built with CUDA, the driver's control device present,
+    ``CUDA_VISIBLE_DEVICES`` not empty, Triton installed."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return (torch.version.cuda is not None and os.path.exists("/dev/nvidiactl") and visible not in ("", "-1")
+            and importlib.util.find_spec("triton") is not None)
+
+
 def _after_fork_in_child() -> None:
     """A forked child has none of its parent's other threads: a build one of them held the lock for never ends."""
-    global _building
-    _building = threading.Lock()
+    global _building, _ahead_lock
+    _building, _ahead_lock = threading.Lock(), threading.Lock()
     _ahead.clear()
 
 
