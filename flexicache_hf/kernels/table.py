@@ -247,10 +247,10 @@ _warmed: set[str] = set()  # the stages of the per-process setup made: "load", "
 def ops_named(name: str) -> KernelOps:
     """The backend called ``name``: ``"reference"``, or ``"triton"`` (Triton / cuda-python, built on first use)."""
     ops = _backends.get(name)
-    if ops is None:
+    if ops is None or (name == TRITON and len(_warmed) < len(_ahead)):  # made, or a stage of it still being made
         if name != TRITON:
             raise ValueError(f"no kernel backend named {name!r}")
-        ops = _make_triton(())
+        ops = _make_triton(())  # waits for a stage being made ahead (Triton's driver is not made twice at once)
     return ops
 
 
