@@ -126,7 +126,8 @@ load = table._ahead["load"]
 assert load.daemon and table.build_ahead(driver=False) is None  # being made: nothing started twice
 load.join(120)
 assert table._warmed == {"load"} and table.TRITON in table._backends and not torch.cuda.is_initialized()
-import cuda.core, flexicache_hf.kernels.minmax  # loaded by the thread (importing them again finds them)
+import sys
+assert {'cuda.core', 'flexicache_hf.kernels.minmax', 'flexicache_hf.kernels.uva_copy'} <= set(sys.modules)
 from triton.runtime.cache import triton_key
 assert triton_key.cache_info().currsize == 1
 driver = table.build_ahead()

@@ -327,7 +327,7 @@ _STAGES = {"load": _load, "driver": _triton_driver}
 
 def cuda_host() -> bool:
     """Whether this machine has an NVIDIA driver and this process may use a GPU, asked without initialising CUDA
-    (a process that has not, forks children that can): torch built with CUDA, the driver's control device present,
+    (so children forked later can still use it): torch built with CUDA, the driver's control device present,
     ``CUDA_VISIBLE_DEVICES`` not empty, Triton installed."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     return (torch.version.cuda is not None and os.path.exists("/dev/nvidiactl") and visible not in ("", "-1")
