@@ -15,7 +15,7 @@ for case in $cases; do
     for mib in $runs; do
         extra=""
         [ $mib = 0p ] && extra="--prefill-profile"
-        timeout 280 python3 docs/benchmarks/host/register_pieces.py --piece-mib ${mib%p} -- --model llama8b \
+        timeout 280 python3 docs/benchmarks/host/first_cache.py --piece-mib ${mib%p} -- --model llama8b \
             --cases $case --rows dynamic,flexicache-unsized --new-tokens 32 $extra --out $OUT \
             --tag run32e-$case-$mib > /dev/null 2>&1
         python3 - "$OUT/generate-run32e-$case-$mib.json" $case $mib <<'P'

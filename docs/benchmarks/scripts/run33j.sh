@@ -1,12 +1,12 @@
 #!/bin/bash
 # Run 33j (NOTES, "Run 33i"): the first cache after a dense row with the backend's build joined before anything runs
-# (docs/benchmarks/host/built_first.py): sized without a host tier, then the README call; 1 x 16k, ~2 minutes.
+# (docs/benchmarks/host/first_cache.py --build-first): sized without a host tier, then the README call; 1 x 16k, ~2 minutes.
 #   run: bash docs/benchmarks/scripts/run33j.sh   (from the checkout root on the GPU machine; writes to $OUT)
 nvidia-smi --query-gpu=name --format=csv,noheader
 export PYTHONPATH=$PWD
 for rows in "flexicache --no-offload" "flexicache-unsized"; do
     tag=run33j-${rows%% *}
-    timeout 120 python3 docs/benchmarks/host/built_first.py -- --model llama8b --cases 1x16384 \
+    timeout 120 python3 docs/benchmarks/host/first_cache.py --build-first -- --model llama8b --cases 1x16384 \
         --rows dynamic,$rows --new-tokens 16 --out $OUT --tag $tag 2>&1 | grep "joined"
     python3 - "$OUT/generate-$tag.json" <<'P'
 import json, sys
