@@ -141,6 +141,27 @@ print("ok")
     assert out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
+def test_a_fork_waits_for_a_build_in_flight():
+    """A process forked while a build runs on its thread (the package starts one on import on a GPU machine) forks
+    only once the build is done: the child inherits no half-done import."""
+    code = """
+import os, time
+from flexicache_hf.kernels import table
+table._STAGES["load"] = lambda: time.sleep(1.0)
+t = table.build_ahead(driver=False)
+time.sleep(0.1)
+assert t.is_alive()
+pid = os.fork()
+if pid == 0:
+    os._exit(0 if "load" in table._warmed and not table._ahead else 1)
+_, status = os.waitpid(pid, 0)
+assert os.waitstatus_to_exitcode(status) == 0 and not t.is_alive()
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=240)
+    assert out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
 def test_traced_calls_bind_like_the_reference():
     """Keyword arguments, defaults (``scale=None``: D ** -0.5) and a returned ``out`` reach the ops as the reference
     takes them: a compiled function of the fields equals their eager calls."""

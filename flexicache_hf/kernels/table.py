@@ -334,6 +334,14 @@ def cuda_host() -> bool:
             and importlib.util.find_spec("triton") is not None)
 
 
+def _before_fork() -> None:
+    """A fork waits (30 s at most) for the builds in flight on other threads: a child then never inherits the
+    module locks of an import half done (the package starts one on import, on a machine with a GPU)."""
+    for thread in list(_ahead.values()):
+        if thread.is_alive() and thread is not threading.current_thread():
+            thread.join(timeout=30)
+
+
 def _after_fork_in_child() -> None:
     """A forked child has none of its parent's other threads: a build one of them held the lock for never ends."""
     global _building, _ahead_lock
@@ -341,7 +349,7 @@ def _after_fork_in_child() -> None:
     _ahead.clear()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
 
 
 def ops_for(device: torch.device, *, prefer: str | None = None) -> KernelOps:
