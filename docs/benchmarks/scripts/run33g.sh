@@ -5,7 +5,7 @@
 #   run: bash docs/benchmarks/scripts/run33g.sh   (from the checkout root on the GPU machine; writes to $OUT)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 export PYTHONPATH=$PWD
-timeout 150 python3 -m pytest -q -x tests/gpu/test_graph_decode_gpu.py tests/gpu/test_kernels_gpu.py \
+timeout 300 python3 -m pytest -q -x tests/gpu/test_graph_decode_gpu.py tests/gpu/test_kernels_gpu.py \
     -k "graph or rerank or select or decode" 2>&1 | tail -2
 CASE=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | awk '{print ($1 > 100000) ? "16x16384" : "8x16384"}')
 timeout 270 python3 docs/benchmarks/host/step_split.py --case $CASE --rows flexicache-unsized,static-sdpa_grouped \
