@@ -3,7 +3,7 @@
 Run 34 (H100, 1 x 16k): with the kernels loaded first, a first FlexiCache cache's prefill still took ~0.5 s more than
 a later cache's, while its host tier (1.6 GB) was populated and registered on background threads and the prefill's
 own thread waited only 3 ms for it. This times a prefill-like loop of GEMMs and SDPA launched from the main thread
-(wall time, and device time between CUDA events) alone, and while another thread does one of:
+(wall time, and device time between CUDA events; with and without a wait for the device after each layer) alone, and while another thread does one of:
 ``populate`` (fault the pages in: CPU and memory bandwidth), ``register`` (``cuMemHostRegister`` of memory already
 populated: the driver), ``both`` (what a first cache's host tier does: populate, then register), ``alloc``
 (``cuMemHostAlloc``-backed ``torch.empty(pin_memory=True)``). Each line a JSON record.
@@ -11,6 +11,7 @@ populated: the driver), ``both`` (what a first cache's host tier does: populate,
     python docs/benchmarks/probes/register_stall.py --gb 1.6 --repeat 2
 """
 import argparse
+import itertools
 import json
 import threading
 import time
@@ -39,8 +40,9 @@ settings = PinSettings()
 piece = args.piece_mib << 20 or None
 
 
-def prefill() -> tuple[float, float, float]:
-    """(wall s, device s, longest single launch s) of one prefill-like pass."""
+def prefill(sync: bool) -> tuple[float, float, float]:
+    """(wall s, device s, longest single launch s) of one prefill-like pass (``sync``: waiting for the device after
+    each layer, as a prefill that reads a result back per layer does)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     t0, longest = time.perf_counter(), 0.0
@@ -55,6 +57,8 @@ def prefill() -> tuple[float, float, float]:
         y = o.transpose(1, 2).reshape(T, H * D) + (F.silu(x @ w_up) @ w_down)
         longest = max(longest, time.perf_counter() - t)
         del y
+        if sync:
+            torch.cuda.synchronize()
     end.record()
     torch.cuda.synchronize()
     return time.perf_counter() - t0, start.elapsed_time(end) / 1e3, longest
@@ -79,17 +83,17 @@ def other(kind: str, ready: threading.Event, out: dict) -> None:
     del held
 
 
-prefill()  # warm: kernels chosen, launchers built
-for rep in range(args.repeat):
-    for kind in ("alone", "populate", "register", "both", "alloc"):
-        rec = {"kind": kind, "rep": rep, "gb": args.gb, "piece_mib": args.piece_mib}
-        if kind != "alone":
-            ready, th = threading.Event(), None
-            th = threading.Thread(target=other, args=(kind, ready, rec))
-            th.start()
-            ready.wait()
-        wall, device, longest = prefill()
-        if kind != "alone":
-            th.join()
-        rec.update(wall_s=round(wall, 4), device_s=round(device, 4), longest_launch_s=round(longest, 4))
-        print(json.dumps(rec), flush=True)
+prefill(True)  # warm: kernels chosen, launchers built
+for rep, sync, kind in itertools.product(range(args.repeat), (False, True),
+                                         ("alone", "populate", "register", "both", "alloc")):
+    rec = {"kind": kind, "sync": sync, "rep": rep, "gb": args.gb, "piece_mib": args.piece_mib}
+    if kind != "alone":
+        ready = threading.Event()
+        th = threading.Thread(target=other, args=(kind, ready, rec))
+        th.start()
+        ready.wait()
+    wall, device, longest = prefill(sync)
+    if kind != "alone":
+        th.join()
+    rec.update(wall_s=round(wall, 4), device_s=round(device, 4), longest_launch_s=round(longest, 4))
+    print(json.dumps(rec), flush=True)
