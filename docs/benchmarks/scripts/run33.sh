@@ -11,7 +11,7 @@ case $ROW in
     static) search="--static-variants sdpa_grouped --static-prefill-chunk 4096 --probe-start 24 --probe-step 4 --max-probes 4" ;;
     dynamic) search="--probe-start 8 --probe-step 2 --max-probes 4" ;;
 esac
-timeout 560 python3 -m flexicache_hf.bench.generate --model llama8b --largest-batch 30720 --rows $ROW $search \
+timeout ${LIMIT:-560} python3 -m flexicache_hf.bench.generate --model llama8b --largest-batch 30720 --rows $ROW $search \
     --new-tokens 256 --out $OUT --tag run33-$ROW 2>&1 | grep -E "^probe|Error|error" | cut -c1-200
 python3 - "$OUT/generate-run33-$ROW.json" <<'P'
 import json, sys
