@@ -2,6 +2,7 @@
 # Run 33 (NOTES, "Before run 33"): issue 35's throughput table at 30k, one row per call (each fits 10 minutes):
 # the row's largest batch (eager probes of 16 tokens), then that batch measured with 256 new tokens.
 #   run: ROW=flexicache-unsized bash docs/benchmarks/scripts/run33.sh   (also ROW=static, ROW=dynamic; an H200)
+#   LIMIT: the bench's time limit (s, default 560); SEARCH: the row's search options in place of the H200's
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 free -g | head -2
 export PYTHONPATH=$PWD PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
@@ -11,6 +12,7 @@ case $ROW in
     static) search="--static-variants sdpa_grouped --static-prefill-chunk 4096 --probe-start 24 --probe-step 4 --max-probes 4" ;;
     dynamic) search="--probe-start 8 --probe-step 2 --max-probes 4" ;;
 esac
+search=${SEARCH:-$search}  # another card: another start (e.g. an H100's 80 GB)
 timeout ${LIMIT:-560} python3 -m flexicache_hf.bench.generate --model llama8b --largest-batch 30720 --rows $ROW $search \
     --new-tokens 256 --out $OUT --tag run33-$ROW 2>&1 | grep -E "^probe|Error|error" | cut -c1-200
 python3 - "$OUT/generate-run33-$ROW.json" <<'P'
