@@ -1,16 +1,15 @@
 #!/bin/bash
 # Run 35 (NOTES, "Before run 35"): where a first cache's remaining ~0.5 s at 1 x 16k goes (run 34: 1.08 s against
-# 0.59 s with the kernels on disk and loaded first). (0) a warm-up process, so Triton's disk cache holds every kernel;
-# (1) the register-stall probe: a prefill-like pass alone and beside populating / page-locking 1.6 GB on another
-# thread; (2) the README call's storage without its host tier (unsized, --no-offload) and (3) with it, each the first
+# 0.59 s with the kernels on disk and loaded first). (1) the register-stall probe: a prefill-like pass alone and beside populating / page-locking 1.6 GB on another
+# thread; (0) a warm-up process, so Triton's disk cache holds every kernel; (2) the README call's storage without its host tier (unsized, --no-offload) and (3) with it, each the first
 # cache after a dense row with the build joined first. Any card, ~4 minutes.
 #   run: bash docs/benchmarks/scripts/run35.sh   (from the checkout root on the GPU machine; writes to $OUT)
 nvidia-smi --query-gpu=name --format=csv,noheader
 export PYTHONPATH=$PWD
 gen="--model llama8b --new-tokens 16 --cases 1x16384 --out $OUT"
+timeout 120 python3 docs/benchmarks/probes/register_stall.py --gb 1.6 --repeat 2 | tee $OUT/run35-register-stall.jsonl
 timeout 150 python3 -m flexicache_hf.bench.generate $gen --rows flexicache-unsized --tag run35-warm > /dev/null 2>&1
 echo "warm-up rc $?"
-timeout 120 python3 docs/benchmarks/probes/register_stall.py --gb 1.6 --repeat 2 | tee $OUT/run35-register-stall.jsonl
 for rows in "flexicache-unsized --no-offload" "flexicache-unsized"; do
     tag=run35-$(echo $rows | tr -d ' ' | sed 's/--/-/')
     timeout 120 python3 docs/benchmarks/host/first_cache.py --build-first -- $gen --rows dynamic,$rows \
