@@ -1,8 +1,10 @@
 #!/bin/bash
 # Run 35 (NOTES, "Before run 35"): where a first cache's remaining ~0.5 s at 1 x 16k goes (run 34: 1.08 s against
-# 0.59 s with the kernels on disk and loaded first). (1) the register-stall probe: a prefill-like pass alone and beside populating / page-locking 1.6 GB on another
-# thread; (0) a warm-up process, so Triton's disk cache holds every kernel; (2) the README call's storage without its host tier (unsized, --no-offload) and (3) with it, each the first
-# cache after a dense row with the build joined first. Any card, ~4 minutes.
+# 0.59 s with the kernels on disk and loaded first). (1) The register-stall probe: a prefill-like pass alone and
+# beside populating / page-locking 1.6 GB on another thread (first: it needs no warm-up, and a call cut short keeps
+# it); (2) a warm-up process, so Triton's disk cache holds every kernel; (3) the README call's storage without its
+# host tier (unsized, --no-offload) and (4) with it, each the first cache after a dense row with the build joined
+# first. Any card, ~4 minutes.
 #   run: bash docs/benchmarks/scripts/run35.sh   (from the checkout root on the GPU machine; writes to $OUT)
 nvidia-smi --query-gpu=name --format=csv,noheader
 export PYTHONPATH=$PWD
