@@ -14,15 +14,19 @@ import time
 import torch
 from torch._dynamo.utils import counters
 
+MODE = os.environ.get("MODE", "both")
+
+
 @torch.library.custom_op("toy::bump", mutates_args=("buf",))
 def bump(buf: torch.Tensor, pos: torch.Tensor, val: torch.Tensor) -> None:
     buf.index_copy_(0, pos, val)
+
 
 @bump.register_fake
 def _(buf, pos, val):
     return None
 
-MODE = os.environ.get("MODE", "both")
+
 def layer_body(q, kbuf, mins, pos, val):
     if MODE in ("both", "op"):
         bump(kbuf, pos, val)
@@ -31,26 +35,34 @@ def layer_body(q, kbuf, mins, pos, val):
     s = (q @ kbuf.transpose(0, 1).contiguous()).softmax(-1)
     return s @ kbuf
 
+
 region = torch.compiler.nested_compile_region(layer_body)
+
 
 class Layers:
     def __init__(self, n):
         self.k = [torch.randn(64, 32) for _ in range(n)]
         self.m = [torch.full((1, 32), 9.0) for _ in range(n)]
 
-def step(q, pos, val, L, fn):
-    for k, m in zip(L.k, L.m):
+
+def step(q, pos, val, layers, fn):
+    for k, m in zip(layers.k, layers.m):
         q = fn(q, k, m, pos, val) + q
     return q
 
+
 for name, fn in (("plain", layer_body), ("region", region)):
-    torch._dynamo.reset(); counters.clear()
-    L = Layers(32); Lref = Layers(32)
-    for a, b in zip(Lref.k, L.k): a.copy_(b)
-    q = torch.randn(4, 32); pos = torch.tensor([3]); val = torch.randn(1, 32)
+    torch._dynamo.reset()
+    counters.clear()
+    layers, ref_layers = Layers(32), Layers(32)
+    for a, b in zip(ref_layers.k, layers.k):
+        a.copy_(b)
+    q, pos, val = torch.randn(4, 32), torch.tensor([3]), torch.randn(1, 32)
     t = time.time()
-    out = torch.compile(step, backend="inductor", fullgraph=True)(q, pos, val, L, fn)
+    out = torch.compile(step, backend="inductor", fullgraph=True)(q, pos, val, layers, fn)
     dt = time.time() - t
-    ref = step(q, pos, val, Lref, layer_body)
-    ok = torch.allclose(out, ref, rtol=1e-3, atol=1e-3) and all(torch.equal(a, b) for a, b in zip(L.k, Lref.k)) and all(torch.equal(a,b) for a,b in zip(L.m, Lref.m))
+    ref = step(q, pos, val, ref_layers, layer_body)
+    ok = (torch.allclose(out, ref, rtol=1e-3, atol=1e-3)
+          and all(torch.equal(a, b) for a, b in zip(layers.k, ref_layers.k))
+          and all(torch.equal(a, b) for a, b in zip(layers.m, ref_layers.m)))
     print(name, f"{dt:.1f}s", "ok" if ok else "MISMATCH", dict(counters["stats"]))

@@ -3,10 +3,15 @@
 Run 34 (H100, 1 x 16k): with the kernels loaded first, a first FlexiCache cache's prefill still took ~0.5 s more than
 a later cache's, while its host tier (1.6 GB) was populated and registered on background threads and the prefill's
 own thread waited only 3 ms for it. This times a prefill-like loop of GEMMs and SDPA launched from the main thread
-(wall time, and device time between CUDA events; with and without a wait for the device after each layer) alone, and while another thread does one of:
-``populate`` (fault the pages in: CPU and memory bandwidth), ``register`` (``cuMemHostRegister`` of memory already
-populated: the driver), ``both`` (what a first cache's host tier does: populate, then register), ``alloc``
-(``cuMemHostAlloc``-backed ``torch.empty(pin_memory=True)``). Each line a JSON record.
+(wall time, and device time between CUDA events; with and without a wait for the device after each layer) alone,
+and while another thread does one of:
+
+* ``populate``: fault the pages in (CPU and memory bandwidth);
+* ``register``: ``cuMemHostRegister`` of memory already populated (the driver);
+* ``both``: what a first cache's host tier does, populate then register;
+* ``alloc``: ``torch.empty(..., pin_memory=True)`` (``cudaHostAlloc``).
+
+Each line a JSON record.
 
     python docs/benchmarks/probes/register_stall.py --gb 1.6 --repeat 2
 """
