@@ -133,3 +133,26 @@ def test_prompt_attention_without_a_grouped_kernel_repeats_kv_heads_exactly(dtyp
     got = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=att[:, None], scale=0.3,
                                                           enable_gqa=grouped).transpose(1, 2)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("T", [1, 4, 9])
+def test_a_chunk_after_its_prefix_takes_the_lower_right_causal_call_exactly(monkeypatch, T):
+    """On CUDA half precision a chunk after its prefix goes to SDPA's flash kernel through ``causal_lower_right``
+    (no mask, KV heads grouped as they are); forced here on the CPU (torch materialises the same bias), it must
+    equal the explicit-mask call: query i of the chunk sees keys up to L - T + i."""
+    import flexicache_hf.dense as dense
+
+    torch.manual_seed(1)
+    B, Hq, H, L, D = 2, 6, 2, 13, 8
+    q, k, v = torch.randn(B, Hq, T, D), torch.randn(B, H, L, D), torch.randn(B, H, L, D)
+    assert not dense.flash_lower_right(q, k, v, 0.0)  # the CPU keeps the masked call
+    want = dense.dense_attention(q, k, v, None, 0.3)
+    seen = []
+    monkeypatch.setattr(dense, "flash_lower_right", lambda *a: seen.append(a) or True)
+    got = dense.dense_attention(q, k, v, None, 0.3)
+    assert len(seen) == 1
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    causal = torch.ones(T, L, dtype=torch.bool).tril(L - T)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1),
+                                                           attn_mask=causal, scale=0.3).transpose(1, 2)
+    torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-6)
