@@ -5,6 +5,8 @@
 # it); (2) a warm-up process, so Triton's disk cache holds every kernel; (3) the README call's storage without its
 # host tier (unsized, --no-offload) and (4) with it, each the first cache after a dense row with the build joined
 # first. Any card, ~4 minutes.
+# As run (2026-12-07), (3) was the README call again: the flexicache-unsized row ignores --no-offload (NOTES,
+# "Run 35"); a first cache without a host tier is the sized row's (flexicache-graph --no-offload, run33j.sh).
 #   run: bash docs/benchmarks/scripts/run35.sh   (from the checkout root on the GPU machine; writes to $OUT)
 nvidia-smi --query-gpu=name --format=csv,noheader
 export PYTHONPATH=$PWD
