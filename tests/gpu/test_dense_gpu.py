@@ -38,7 +38,7 @@ def test_chunk_after_prefix_takes_flash_and_matches_the_masked_call(T, L):
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
 
 
-def test_padded_and_float32_chunks_keep_the_masked_call():
+def test_float32_keeps_the_masked_call_and_half_precision_takes_flash():
     q = torch.randn(1, 8, 4, 64, device="cuda")
     k = torch.randn(1, 2, 16, 64, device="cuda")
     assert not flash_lower_right(q, k, k, 0.0)  # float32: no flash kernel
