@@ -146,6 +146,22 @@ print("ok")
     in_fresh_python(code, CUDA_VISIBLE_DEVICES=None)
 
 
+def test_the_device_stage_prepares_the_copy_kernel_even_when_tritons_driver_fails(monkeypatch):
+    """The stage a CUDA cache starts ahead (``build_ahead``'s "driver") also builds or loads the tier-copy kernel for
+    the current device, so a first cache's first offload does not; a failing step (no device here, for Triton's
+    driver) is left to its first use and does not stop the other."""
+    from flexicache_hf.kernels import table, uva_copy
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(uva_copy, "prepare_copies", lambda index: asked.append(index) or True)
+    monkeypatch.setattr(table, "_triton_driver", lambda: 1 / 0)
+    table._STAGES["driver"]()
+    assert asked == [3]
+    monkeypatch.setattr(uva_copy, "prepare_copies", lambda index: 1 / 0)
+    table._STAGES["driver"]()  # raises nothing: the copy's first use reports it
+
+
 def test_a_fork_waits_for_a_build_in_flight():
     """A process forked while a build runs on its thread (the package starts one on import on a GPU machine) forks
     only once the build is done: the child inherits no half-done import."""

@@ -241,7 +241,7 @@ _backends = {REFERENCE: REFERENCE_OPS}
 _building = threading.Lock()  # held while the Triton backend is made or warmed (a first use waits on it)
 _ahead_lock = threading.Lock()  # guards _ahead (never held while building: asking for a build never waits)
 _ahead: dict[str, threading.Thread] = {}  # Triton's setup being made ahead of its first use, by stage (build_ahead)
-_warmed: set[str] = set()  # the stages of the per-process setup made: "load", "driver"
+_warmed: set[str] = set()  # the stages of the per-process setup made: "load", "driver" (with the copy kernel)
 
 
 def ops_named(name: str) -> KernelOps:
@@ -275,7 +275,8 @@ def build_ahead(name: str = TRITON, *, driver: bool = True) -> threading.Thread 
     """Build backend ``name`` on a daemon thread, once per process, ahead of its first use: Triton and cuda-python
     imported, the kernels' modules loaded and Triton's process-wide cache key made (a hash of its ~500 MB library,
     which its first compile or cache lookup computes); with ``driver`` also Triton's driver, the one step that
-    initialises CUDA in the process.  So a first cache's prefill does not make them, nor wait for them.
+    initialises CUDA in the process, and the tier-copy kernel for the current device.  So a first cache's prefill
+    does not make them, nor wait for them.
 
     The package starts the CUDA-free part when it is imported on a machine with an NVIDIA driver
     (:func:`cuda_host`), while the user loads a model; a cache made on CUDA starts the rest.  Returns the thread,
@@ -322,7 +323,24 @@ def _triton_driver() -> None:
     driver.active  # noqa: B018 - made on first access
 
 
-_STAGES = {"load": _load, "driver": _triton_driver}
+def _copy_kernel() -> None:
+    """The tier-copy kernel for the current device: NVRTC-built by a machine's first process, loaded from
+    ``cuda.core``'s program cache by later ones; else made at a first cache's first offload, inside its prefill."""
+    from .uva_copy import prepare_copies
+
+    prepare_copies(torch.cuda.current_device())
+
+
+def _cuda_setup() -> None:
+    """The stage that needs the device: Triton's driver, then the tier-copy kernel (each failure left to its use)."""
+    for step in (_triton_driver, _copy_kernel):
+        try:
+            step()
+        except Exception:  # noqa: BLE001 - e.g. no device, no NVRTC: the first use reports it
+            pass
+
+
+_STAGES = {"load": _load, "driver": _cuda_setup}
 
 
 def cuda_host() -> bool:

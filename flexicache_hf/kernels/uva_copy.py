@@ -278,6 +278,11 @@ class PageCopier:
                     kern = None
         return kern
 
+    def prepare(self, index: int) -> bool:
+        """Build (or load from the program cache) the kernel for device ``index`` now, ahead of a first copy;
+        whether it can be used."""
+        return self._kernel(index) is not None
+
     def _stream(self, index: int, handle: int):
         """The cuda.core Stream borrowing torch's stream ``handle`` (wrapped once, then reused)."""
         st = self._streams.get(handle)
@@ -387,3 +392,4 @@ class PageCopier:
 _COPIER = PageCopier()
 copy_pages = _COPIER.copy_pages
 copy_kv_pages = _COPIER.copy_kv_pages
+prepare_copies = _COPIER.prepare

@@ -508,6 +508,29 @@ def test_the_copy_kernel_is_built_once_per_machine(tmp_path, monkeypatch):
     assert torch.equal(dev[2].cpu(), host[1]) and torch.equal(dev[0].cpu(), host[3])
 
 
+def test_a_copier_prepared_ahead_on_another_thread_copies_without_building_again():
+    """``prepare`` (what a CUDA cache's build-ahead thread calls) makes the kernel for the device on its own thread;
+    a copy on the main thread then uses that kernel, exactly."""
+    import threading
+
+    from flexicache_hf.kernels import uva_copy
+
+    copier = uva_copy.PageCopier()
+    index = torch.cuda.current_device()
+    done = []
+    t = threading.Thread(target=lambda: done.append(copier.prepare(index)))
+    t.start()
+    t.join(120)
+    assert done == [True] and copier.unavailable is None
+    kern = copier._kernels[index]
+    host = torch.randn(4, 16, 64).pin_memory()
+    dev = torch.zeros(4, 16, 64, device=DEV)
+    copier.copy_pages(dev, torch.tensor([1, 3], device=DEV), host, torch.tensor([0, 2], device=DEV))
+    torch.cuda.synchronize()
+    assert copier._kernels[index] is kern
+    assert torch.equal(dev[1].cpu(), host[0]) and torch.equal(dev[3].cpu(), host[2])
+
+
 @pytest.mark.parametrize("page,share", [(8, 0.4), (8, 0.0), (16, 1.0)])
 def test_copy_through_the_host_tiers_cuda_view_takes_the_host_grid(page, share):
     """A decode step hands the copies the host tier's *CUDA* views of its pinned pages (``device_pages``): the
