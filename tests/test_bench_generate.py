@@ -243,7 +243,8 @@ def test_largest_batch_rows_are_measured_at_each_rows_own_largest_batch_and_mark
 
     def measure(model, ids, row, args, profile, warmed, again):
         b = ids.shape[0]
-        return [(row, {"error": "out of memory"} if (row, b) in fails_measured else {"median_step_ms": 1.0, "batch": b})]
+        return [(row, {"error": "out of memory"} if (row, b) in fails_measured else
+                 {"median_step_ms": 1.0, "batch": b, "decode_tokens_per_s": 100.0, "tokens": 4, "total_s": 2.0})]
 
     monkeypatch.setattr(search, "generate_once", probe)
     monkeypatch.setattr(search, "run_row", measure)
@@ -259,6 +260,11 @@ def test_largest_batch_rows_are_measured_at_each_rows_own_largest_batch_and_mark
     measured = [(c, r, res["largest_batch_row"]) for c, r, res in got if c != "largest@8"]
     assert measured == [("16x8", "dynamic", True), ("40x8", "flexicache-graph", False),
                         ("32x8", "flexicache-graph", True)]
+    flexi = next(res for c, r, res in got if c == "32x8")  # whole-batch tokens a second, decoding and overall
+    assert flexi["batch_decode_tokens_per_s"] == 3200 and flexi["batch_tokens_per_s"] == 64
+    assert "batch_tokens_per_s" not in next(res for c, r, res in got if c == "40x8")  # failed: no throughput
+    text = format_table([{"case": c, "row": r, **res} for c, r, res in got])
+    assert "32x8         flexicache-graph         at its largest batch: 3200 decode tokens/s, 64.0 with" in text
 
 
 # ---- profile: GPU busy fraction -------------------------------------------------------------------------------

@@ -22,6 +22,19 @@ def add_ratios(results: list[dict]) -> None:
             r["best_static_row"] = best["row"] if best else None
 
 
+def batch_throughput(res: dict) -> dict:
+    """A measured row's tokens a second over its whole batch (the throughput table's measure): ``batch_decode_
+    tokens_per_s``, its decode steps' tokens (rows x steps a second), and ``batch_tokens_per_s``, every new token of
+    every row over the whole call, the prefill counted.  Empty for a record without the fields."""
+    b, tokens, total = res.get("batch"), res.get("tokens"), res.get("total_s")
+    out = {}
+    if b and res.get("decode_tokens_per_s"):
+        out["batch_decode_tokens_per_s"] = b * res["decode_tokens_per_s"]
+    if b and tokens and total:
+        out["batch_tokens_per_s"] = b * tokens / total
+    return out
+
+
 def format_table(results: list[dict]) -> str:
     """The table printed last (``add_ratios`` first for the two ratio columns)."""
     def num(v, fmt, scale=1.0):
@@ -55,6 +68,12 @@ def format_table(results: list[dict]) -> str:
                      + ", ".join(f"{c}: {b}" for c, b in best.items()) + "); busy: GPU busy fraction of the "
                      "profiled decode steps; graphs+: dynamo graphs compiled during the measured call; prompt-lookup rows: "
                      "tok/s over the whole call, no step times")
+    for r in results:
+        if r.get("largest_batch_row"):
+            t = batch_throughput(r)
+            lines.append(f"{r['case']:<12} {r['row']:<24} at its largest batch: "
+                         f"{t.get('batch_decode_tokens_per_s', 0):.0f} decode tokens/s, "
+                         f"{t.get('batch_tokens_per_s', 0):.1f} with the prefill")
     for r in searches:
         tried = ", ".join(f"{b}: {'ok' if v == 'ok' else 'fail'}"
                           for b, v in sorted(r["tried"].items(), key=lambda kv: int(kv[0])))
@@ -62,7 +81,10 @@ def format_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def figure(results: list[dict], path: Path) -> None:
+def figure(results: list[dict], path: Path, device: str | None = None) -> None:
+    """The figure beside the JSON: decode steps and time to first token by case and row, and with rows measured at
+    their largest batch a third panel, their whole batch's tokens a second (``device``: the title's GPU, default
+    this process's)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -73,7 +95,8 @@ def figure(results: list[dict], path: Path) -> None:
     rows = list(dict.fromkeys(r["row"] for r in timed))
     if not cases:
         return
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    tput = [r for r in timed if r.get("largest_batch_row")]
+    fig, axes = plt.subplots(1, 3 if tput else 2, figsize=(19 if tput else 13, 4.5))
     width = 0.8 / max(len(rows), 1)
     for ax, key, label in ((axes[0], "median_step_ms", "decode step (ms): bar median, marker p99"),
                            (axes[1], "ttft_s", "time to first token (s)")):
@@ -94,8 +117,18 @@ def figure(results: list[dict], path: Path) -> None:
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))], cases)
         ax.set_yscale("log")
         ax.set_ylabel(label)
+    if tput:  # the throughput table: each row at its own largest batch
+        ax = axes[2]
+        names = [f"{r['row']}\n{r['batch']} rows" for r in tput]
+        got = [batch_throughput(r) for r in tput]
+        ax.bar(range(len(tput)), [g.get("batch_decode_tokens_per_s", 0) for g in got], 0.6, label="decoding")
+        ax.plot(range(len(tput)), [g.get("batch_tokens_per_s", 0) for g in got], linestyle="none", marker="o",
+                color="k", label="with the prefill")
+        ax.set_xticks(range(len(tput)), names, fontsize=7)
+        ax.set_ylabel("tokens/s, whole batch, at each row's largest batch")
+        ax.legend(fontsize=7)
     axes[0].legend(fontsize=7, ncol=2)
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CUDA"
+    device = device or (torch.cuda.get_device_name() if torch.cuda.is_available() else "CUDA")
     fig.suptitle(f"model.generate end to end ({device}); missing bars: error / out of memory")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -8,6 +8,7 @@ import time
 import torch
 
 from .device import empty_host_cache, error_record, release
+from .report import batch_throughput
 from .rows import is_compiled, probe_key
 from .run import generate_once, run_row
 
@@ -101,6 +102,6 @@ def run_largest(model, make_prompt, length, rows, args, profile, warmed, record)
             results = run_row(model, prompt(b), row, args, profile, warmed, again=False)
             measured = not any("error" in res for _, res in results)
             for name, res in results:  # the throughput table's rows: each row at its own largest batch
-                record(f"{b}x{length}", name, {**res, "largest_batch_row": measured})
+                record(f"{b}x{length}", name, {**res, **batch_throughput(res), "largest_batch_row": measured})
             if measured:
                 break
