@@ -23,17 +23,15 @@ def dense_attention(
     kernel for it)."""
     B, Hq, T, D = query.shape
     L = keys.shape[2]
-    if key_valid is None and T < L and flash_lower_right(query, keys, values, dropout):
-        # A chunk after its prefix: query i sees keys up to L - T + i (causal aligned to the lower right), which
-        # the flash kernel does without a mask and with grouped KV heads as they are.
-        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=causal_lower_right(T, L), scale=scaling,
-                                             enable_gqa=Hq != keys.shape[1], dropout_p=dropout)
-        return out.transpose(1, 2)
     causal = key_valid is None and T == L  # the chunk is the whole sequence, unpadded: SDPA's causal mode
-    flash = causal and query.dtype in (torch.float16, torch.bfloat16)
+    # A chunk after its prefix, unpadded: query i sees keys up to L - T + i (causal aligned to the lower right),
+    # which the flash kernel does without a mask where it runs.
+    lower_right = key_valid is None and T < L and flash_lower_right(query, keys, values, dropout)
+    flash = lower_right or causal and query.dtype in (torch.float16, torch.bfloat16)
     keys, values, gqa = gqa_inputs(query, keys, values, flash, query.is_cuda)
-    if causal:
-        out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scaling, enable_gqa=gqa,
+    if causal or lower_right:
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=causal_lower_right(T, L) if lower_right
+                                             else None, is_causal=causal, scale=scaling, enable_gqa=gqa,
                                              dropout_p=dropout)
     else:
         qpos = torch.arange(L - T, L, device=query.device)
