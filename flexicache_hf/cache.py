@@ -32,7 +32,7 @@ from .lengths import check_room, refuse_length
 from .layer.schedule import DecodeState, state_for_device
 from .model_check import check_served
 from .stats import CacheAccounting, CacheStats
-from .tiers import check_host_limit
+from .host_room import check_host_growth
 from .recycling import KEEPER, storage_key
 from .reserve import before_step, compileable_unsized, context_for, fit_reserved, plan_forward, reserve_first
 from .settings import resolve_settings
@@ -42,11 +42,12 @@ from .rerank import SelectionObserver
 def plan_host(layers: list, end: int, key_states: torch.Tensor, tp_size: int | None, limit: int | None) -> None:
     """At the first layer's update: refuse (HostMemoryError) a forward whose host tiers, every layer's once grown for
     ``end`` tokens (a layer before its first forward: predicted from these states), would pass ``limit``
-    (``host_memory_limit``); on CUDA, start page-locking the blocks the layers will take, in layer order, while the
-    layers before them compute (:meth:`~flexicache_hf.block_keeper.BlockKeeper.prefetch`)."""
+    (``host_memory_limit``), or whose new blocks would not fit in the machine's memory (:mod:`~flexicache_hf.host_room`);
+    on CUDA, start page-locking the blocks the layers will take, in layer order, while the layers before them compute
+    (:meth:`~flexicache_hf.block_keeper.BlockKeeper.prefetch`)."""
     plans = [layer.host_plan(end, key_states, tp_size) for layer in layers]
-    check_host_limit(sum(sum(n for n, _ in plan) if plan else layer.host_bytes() for layer, plan in zip(layers, plans)),
-                     limit)
+    check_host_growth(sum(sum(n for n, _ in plan) if plan else layer.host_bytes() for layer, plan in zip(layers, plans)),
+                      limit, new=sum(n for plan in plans for n, _ in plan))
     if key_states.device.type == "cuda" and any(plans):
         BLOCKS.prefetch([block for plan in plans for block in plan], key_states.device)
 

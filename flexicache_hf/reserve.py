@@ -21,8 +21,8 @@ once into reserved storage before the next forward: at ``get_mask_sizes`` (which
 each step) or at that forward's first update (:func:`make_room`).  Growth: at layer 0's update of an eager
 forward (after the length and host checks, before any write) and, for compiled steps, at ``get_mask_sizes``, one
 chunk ahead of the host's upper bound of the length (``DecodeState.announce``; no synchronisation on the common
-path), so a captured step never writes uncommitted memory.  ``host_memory_limit`` is checked on every layer's
-committed host bytes before any layer commits.  Committed memory is never given back while the cache lives
+path), so a captured step never writes uncommitted memory.  ``host_memory_limit`` and the machine's room
+(:mod:`~flexicache_hf.host_room`) are checked on every layer's committed host bytes before any layer commits.  Committed memory is never given back while the cache lives
 (``reset`` keeps it, as a sized cache keeps its buffers); a dropped cache's reserved storage, committed memory and
 all, serves the next cache of its shape and context (:mod:`~flexicache_hf.recycling`: same addresses, so its first
 decode step replays the recorded graphs and its host tier is already page-locked), or is freed.
@@ -40,7 +40,8 @@ from dataclasses import dataclass
 import torch
 
 from .pages import PoolLayout, num_pages, room_pages
-from .tiers import check_host_limit, tier_block
+from .host_room import check_host_growth
+from .tiers import tier_block
 from .host_memory import PAGE
 from .vmm import DeviceRange, HostRange, round_up, vmm_supported
 
@@ -250,7 +251,7 @@ def make_room(cache, need: int, device: torch.device) -> None:
     """Reserved storage for every layer of ``cache`` with room for ``need`` pages (eager: before any write of the
     forward; compiled: before the step).  Layers still growing (after the first prompt) are moved into reserved
     storage first.  Refuses (HostMemoryError), before anything changes, when the layers' committed host bytes would
-    pass ``host_memory_limit``.  Nothing happens unless every layer is initialised and the cache reserves (a forward
+    pass ``host_memory_limit`` or their growth the machine's room (:mod:`~flexicache_hf.host_room`).  Nothing happens unless every layer is initialised and the cache reserves (a forward
     that initialises a layer is laid out by :func:`plan_first` instead)."""
     context = context_for(cache, device)
     layers = cache.layers
@@ -263,8 +264,8 @@ def make_room(cache, need: int, device: torch.device) -> None:
     plans = [layer.storage.reserve_plan(context, need, layer.stored_end) for layer in layers]
     if all(plan is None for plan in plans):
         return
-    check_host_limit(sum(layer.host_bytes() if plan is None else plan for layer, plan in zip(layers, plans)),
-                     cache.config.host_memory_limit)
+    need_bytes = sum(layer.host_bytes() if plan is None else plan for layer, plan in zip(layers, plans))
+    check_host_growth(need_bytes, cache.config.host_memory_limit, new=need_bytes - cache.host_bytes())
     for layer in layers:
         layer.reserve(context, need)
     for state in cache.states.values():
@@ -277,8 +278,8 @@ def plan_first(cache, need: int, key_states: torch.Tensor) -> FirstPlan | None:
     a :class:`FirstPlan`, after which each layer is laid out reserved at its own update, before it stores anything
     (:meth:`~flexicache_hf.layer.face.FlexiCacheLayer.reserve`), so the prompt is written once into committed
     reserved storage; else None (:func:`make_room` and the growing path serve).  Refuses (HostMemoryError), before
-    anything changes, when the layers' committed host bytes would pass ``host_memory_limit`` (a layer before its
-    first forward: predicted from these states)."""
+    anything changes, when the layers' committed host bytes would pass ``host_memory_limit`` or their growth the
+    machine's room (a layer before its first forward: predicted from these states)."""
     layers = cache.layers
     context = context_for(cache, key_states.device)
     if context is None or all(layer.is_initialized and (layer.seq_len or layer.storage.fits(key_states))
@@ -288,8 +289,8 @@ def plan_first(cache, need: int, key_states: torch.Tensor) -> FirstPlan | None:
         return None  # past the profile's record of the context: the growing path, refused once the model is seen
     if any(layer.is_initialized and layer.seq_len and layer.storage.reserved is None for layer in layers):
         return None  # (a growing layer holding tokens: moved by make_room once every layer is initialised)
-    check_host_limit(sum(layer.reserve_host_plan(context, need, key_states, cache.tp_size) for layer in layers),
-                     cache.config.host_memory_limit)
+    need_bytes = sum(layer.reserve_host_plan(context, need, key_states, cache.tp_size) for layer in layers)
+    check_host_growth(need_bytes, cache.config.host_memory_limit, new=need_bytes - cache.host_bytes())
     for state in cache.states.values():
         state.capacity = context  # as make_room: the schedule refuses (and clamps) past the context
     return FirstPlan(context, need, host_ahead(cache, context, need, key_states))

@@ -23,6 +23,7 @@ import torch
 
 from .block_keeper import BLOCKS
 from .host_memory import HostMemoryError, format_bytes  # noqa: F401  (HostMemoryError: re-exported)
+from .host_room import check_host_limit
 from .load_stream import synchronize_load_streams, synchronize_stream
 from .kernels import KernelOps
 from .kernels.reference import set_table_entries
@@ -46,15 +47,6 @@ def cuda_alias(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     with torch.cuda.device(device):
         alias = torch.as_tensor(_Interface(), device=device)
     return alias.view(t.dtype)
-
-
-def check_host_limit(need: int, limit: int | None) -> None:
-    """Refuse (HostMemoryError) host tiers that would hold ``need`` bytes over ``limit`` (host_memory_limit)."""
-    if limit is not None and need > limit:
-        raise HostMemoryError(
-            f"the host tier would need {format_bytes(need)}, over host_memory_limit={format_bytes(limit)}; "
-            "raise the limit, shorten the prompt, or use FlexiCacheConfig(offload=False) to keep every page on the "
-            "device")
 
 
 def tier_pages(pages: int, pinned: bool, headroom: bool) -> int:
