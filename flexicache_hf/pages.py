@@ -123,10 +123,10 @@ class Span:
     hi: int
     t0: int
 
-    def pages(self, t: torch.Tensor) -> torch.Tensor:
-        """The span in a page-major tensor ``[pages, B, H, page_size, D]``, as ``[B, H, p1 - p0, hi - lo, D]``
-        (a view)."""
-        return t[self.p0 : self.p1, :, :, self.lo : self.hi].permute(1, 2, 0, 3, 4)
+    def pages(self, t: torch.Tensor, first_page: int = 0) -> torch.Tensor:
+        """The span in a page-major tensor ``[pages, B, H, page_size, D]`` whose first page is page ``first_page``
+        (e.g. a copy of some of a tier's pages), as ``[B, H, p1 - p0, hi - lo, D]`` (a view)."""
+        return t[self.p0 - first_page : self.p1 - first_page, :, :, self.lo : self.hi].permute(1, 2, 0, 3, 4)
 
     def rows(self, t: torch.Tensor) -> torch.Tensor:
         """The span in the range's token rows ``[B, H, T, D]``, as ``[B, H, p1 - p0, hi - lo, D]`` (a view)."""

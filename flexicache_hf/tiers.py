@@ -254,31 +254,49 @@ class HostTier:
         return pages * (self.batch * self.heads) + rows
 
     def write_tokens(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
-        """Queue the copy of a prompt chunk ``[B, heads, T, D]`` (positions ``start..``) to the host tier: one
-        ``copy_rows`` per span of pages (:func:`~flexicache_hf.pages.token_spans`: at most three).
+        """Queue the copy of a prompt chunk ``[B, heads, T, D]`` (positions ``start..``) to the host tier, span by
+        span (:func:`~flexicache_hf.pages.token_spans`: a partial page, whole pages, a partial page).  From a device,
+        the whole pages are laid out page-major in a staging buffer there and written as one block (``copy_block``:
+        a few copies whatever the batch); a partial page is one ``copy_rows`` (one 2D copy).
 
         Runs on the copy stream (call inside ``copy_context``); the compute stream never waits for it.
         """
-        T = keys.shape[2]
-        for src, which in ((keys, "k"), (values, "v")):
+        spans = token_spans(start, start + keys.shape[2], self.page_size)
+        for src, tier in ((keys, self.k), (values, self.v)):
             src = src.contiguous()
             self.copies.keep_alive(src)
-            tier = self.k if which == "k" else self.v
-            for span in token_spans(start, start + T, self.page_size):  # a partial page, whole pages, a partial page
-                self.ops.copy_rows(span.pages(tier), span.rows(src))
+            for span in spans:
+                if src.device != tier.device and span.hi - span.lo == self.page_size:
+                    pages = tier[span.p0:span.p1]
+                    stage = torch.empty(pages.shape, dtype=pages.dtype, device=src.device)  # (on the copy stream)
+                    span.pages(stage, first_page=span.p0).copy_(span.rows(src))
+                    self.ops.copy_block(pages, stage)
+                else:
+                    self.ops.copy_rows(span.pages(tier), span.rows(src))
 
     def read_tokens(self, keys: torch.Tensor, values: torch.Tensor, first: int = 0) -> None:
         """Queue the copy of the ``T`` stored tokens from position ``first`` into ``keys`` / ``values``
         ``[B, heads, T, D]`` (device buffers made on the compute stream; exact attention over a cached prefix).
 
-        Runs on the copy stream (call inside ``copy_context``, then hand the stream off before reading).
+        The pages holding them are contiguous in the page-major tier: on a device they are read whole into one
+        staging buffer (``copy_block``: a few large copies whatever the batch), then laid out
+        token by token on the device, K then V through the same buffer.  Runs on the copy stream (call inside
+        ``copy_context``, then hand the stream off before reading).
         """
-        end = first + keys.shape[2]
-        for dst, which in ((keys, "k"), (values, "v")):
+        spans = token_spans(first, first + keys.shape[2], self.page_size)
+        if not spans:
+            return
+        p0, p1 = spans[0].p0, spans[-1].p1
+        stage = None
+        for dst, tier in ((keys, self.k), (values, self.v)):
             self.copies.keep_alive(dst)
-            tier = self.k if which == "k" else self.v
-            for span in token_spans(first, end, self.page_size):
-                self.ops.copy_rows(span.rows(dst), span.pages(tier))
+            pages = tier[p0:p1]
+            if pages.device != dst.device:  # (the stage is made on the copy stream: reused only behind its copies)
+                stage = torch.empty(pages.shape, dtype=pages.dtype, device=dst.device) if stage is None else stage
+                self.ops.copy_block(stage, pages)
+                pages = stage
+            for span in spans:
+                span.rows(dst).copy_(span.pages(pages, first_page=p0))
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep rows ``index`` (beam reorder / batch expansion), in fresh host blocks."""

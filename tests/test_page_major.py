@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flexicache_hf.kernels import REFERENCE_OPS
-from flexicache_hf.kernels.row_copy import blocks, copy_2d_args
+from flexicache_hf.kernels.row_copy import PAGE, split_at_pages, blocks, copy_2d_args
 from flexicache_hf.pages import PagePool, PoolLayout, token_spans
 from flexicache_hf.tiers import CopyStream, HostTier, SlotTable
 
@@ -182,3 +182,30 @@ def test_row_copy_across_registrations_is_cut_into_halves_that_each_lie_in_one(c
     rows = sorted(r for start, n in taken for r in range(start, start + n))
     assert rows == list(range(height))
     assert len(taken) <= 1 + 2 * len(cuts) * height.bit_length()  # a few calls per boundary, never one per row
+
+
+@pytest.mark.parametrize("offset", [0, 1000])
+def test_a_block_read_is_cut_only_where_it_crosses_a_registration(offset):
+    """``copy_block``'s CUDA plan replayed on the CPU: one flat copy, and where the driver refuses one that crosses a
+    registration of host memory (each starts and ends on an OS page), that copy cut at a page near its middle. A
+    prefix of ~40 pages over 3 registrations takes a handful of calls and moves every byte; a copy refused within
+    one page is no registration's doing, and the plan says so (False: torch then copies it)."""
+    host = torch.randint(0, 255, (48 * PAGE,), dtype=torch.uint8)
+    dev = torch.zeros(40 * PAGE, dtype=torch.uint8)
+    base = host.data_ptr() // PAGE * PAGE  # registrations: pages [0, 7), [7, 30), [30, ...) of the host's first page
+    bounds = [base + 7 * PAGE, base + 30 * PAGE]
+    src0 = host.data_ptr() + offset
+    calls = []
+
+    def copy(dst, src, n):
+        calls.append(n)
+        if any(src < b < src + n for b in bounds):
+            return None
+        d, s = dst - dev.data_ptr(), src - host.data_ptr()
+        dev[d:d + n] = host[s:s + n]
+        return True
+
+    assert split_at_pages(copy, dev.data_ptr(), src0, dev.numel(), host_is_src=True)
+    assert torch.equal(dev, host[offset:offset + dev.numel()])
+    assert len(calls) <= 2 + 4 * len(bounds) * 6  # (log2 of the range in pages per boundary, both halves)
+    assert not split_at_pages(lambda d, s, n: None, dev.data_ptr(), src0, dev.numel(), host_is_src=True)

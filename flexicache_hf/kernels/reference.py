@@ -24,7 +24,8 @@ from __future__ import annotations
 import torch
 
 from ..config import GROUP_SCORES
-from .reference_copies import copy_kv_pages, copy_pages, copy_rows, join_loads, load_pages_behind  # noqa: F401
+from .reference_copies import (copy_block, copy_kv_pages, copy_pages, copy_rows, join_loads,  # noqa: F401
+                               load_pages_behind)
 
 NEG_INF = float("-inf")
 

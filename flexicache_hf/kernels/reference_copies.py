@@ -47,3 +47,10 @@ def copy_rows(
     both sides; a ``[B, H, T, D]`` pair is one run per (row, head))."""
     dst.copy_(src)
 
+
+def copy_block(
+    dst: torch.Tensor,  # contiguous (e.g. whole pages of the page-major host tier, or their staging on the device)
+    src: torch.Tensor,  # the same shape, contiguous (may live on another device)
+) -> None:
+    """A contiguous block between tiers: ``dst[...] = src``."""
+    dst.copy_(src)

@@ -1,4 +1,5 @@
-"""Twin of :func:`flexicache_hf.kernels.reference.copy_rows`: token rows between the device and pinned host memory.
+"""Twins of :func:`flexicache_hf.kernels.reference.copy_rows` and ``copy_block``: token rows and blocks of pages
+between the device and pinned host memory.
 
 A prompt chunk's offload writes ``[B, heads, T, D]`` new states into the page-major host tier ``[pages, B, heads,
 page_size, D]`` at positions ``start .. start + T - 1`` (and a multi-turn follow-up reads a prefix back).  The host
@@ -12,6 +13,10 @@ asynchronous on the current stream, no SMs taken from the concurrent prefill, no
 page is one call (its runs: every (row, head)); a span of ``P`` whole pages is ``min(P, B * heads)`` calls, one per
 page (runs: every (row, head)) or one per (row, head) (runs: every page), whichever is fewer.
 
+A run of whole pages is contiguous in the tier, so where the tier's side stages it page-major on the device (a
+follow-up chunk's prefix read back, a chunk's whole pages written) it moves as one block: :meth:`RowCopier.copy_block`,
+one ``cuMemcpyAsync``, cut at OS pages only where it crosses a registration (:func:`split_at_pages`).
+
 Host memory registered in pieces (a block pinned in pieces, a reserved range committed chunk by chunk): one 2D copy
 may not cross a registration (the driver answers ``CUDA_ERROR_INVALID_VALUE``, measured on the H200), so such a copy
 is cut in halves of rows until each half lies in one registration (pieces never split a run).  Fallback: without
@@ -21,11 +26,16 @@ asynchronous into pinned memory).
 
 from __future__ import annotations
 
+import functools
+import mmap
 import warnings
+from typing import Callable
 
 import torch
 
 from ..cuda_context import make_current
+
+PAGE = mmap.PAGESIZE  # registrations of host memory start and end on OS pages
 
 
 def _row_pitch(t: torch.Tensor) -> int | None:
@@ -139,6 +149,41 @@ class RowCopier:
         warnings.warn(f"FlexiCache: {self.unavailable}; host-tier row copies fall back to one copy per row")
         return False
 
+    def copy_block(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst.copy_(src)`` for two contiguous tensors of the same bytes, one on the device, one host memory (a run
+        of whole pages of the page-major tier, read back whole: a follow-up prompt chunk's prefix); asynchronous.
+        Pinned memory goes through ``cuMemcpyAsync``, the range cut at page-aligned host addresses where it crosses
+        a registration (:meth:`_copy_flat`): a few calls for a prefix of any batch, where :meth:`copy_rows` makes one
+        2D copy per (row, head), each cut again at every registration it crosses."""
+        if dst.shape != src.shape or dst.dtype != src.dtype or not (dst.is_contiguous() and src.is_contiguous()):
+            raise ValueError(f"copy_block needs contiguous tensors of one shape and dtype, got {tuple(dst.shape)} "
+                             f"{dst.dtype} and {tuple(src.shape)} {src.dtype}")
+        if dst.numel() == 0:
+            return
+        cuda = [t.device for t in (dst, src) if t.device.type == "cuda"]
+        host = [t for t in (dst, src) if t.device.type == "cpu"]
+        driver = self._driver(cuda[0]) if len(cuda) == 1 and len(host) == 1 and host[0].is_pinned() else None
+        if driver is None:
+            dst.copy_(src, non_blocking=True)
+            return
+        host_is_src = src.device.type == "cpu"
+        stream = driver.CUstream(torch.cuda.current_stream(cuda[0]).cuda_stream)
+        copy = functools.partial(self._copy_flat, driver, stream)
+        if not split_at_pages(copy, dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size(), host_is_src):
+            dst.copy_(src, non_blocking=True)  # the driver path went off on the way: torch redoes it whole
+
+    def _copy_flat(self, driver, stream, dst: int, src: int, nbytes: int) -> bool | None:
+        """One ``cuMemcpyAsync`` of ``nbytes`` (unified addresses): True when queued; None where the range crossed a
+        registration of host memory (``CUDA_ERROR_INVALID_VALUE``); False on any other failure, the driver path off."""
+        (err,) = driver.cuMemcpyAsync(dst, src, nbytes, stream)
+        if err == driver.CUresult.CUDA_SUCCESS:
+            return True
+        if err == driver.CUresult.CUDA_ERROR_INVALID_VALUE:
+            return None
+        self.unavailable = f"cuMemcpyAsync failed: {err}"
+        warnings.warn(f"FlexiCache: {self.unavailable}; host-tier row copies fall back to torch's copies")
+        return False
+
     @staticmethod
     def _per_run(dst: torch.Tensor, src: torch.Tensor) -> None:
         for b in range(dst.shape[0]):
@@ -146,4 +191,24 @@ class RowCopier:
                 dst[b, h].copy_(src[b, h], non_blocking=True)
 
 
-copy_rows = RowCopier().copy_rows  # the kernel table's CUDA twin: one copier per process
+def split_at_pages(copy: Callable[[int, int, int], bool | None], dst: int, src: int, nbytes: int,
+                    host_is_src: bool) -> bool:
+    """``copy(dst, src, nbytes)``, and where it answers None (the bytes crossed a registration of host memory: every
+    registration starts and ends on an OS page), the range cut at the OS page nearest its middle on the host side,
+    each half copied the same way; False where a copy failed otherwise or a range within one page was refused."""
+    done = copy(dst, src, nbytes)
+    if done is not None:
+        return done
+    host = src if host_is_src else dst
+    cut = (host + nbytes // 2) // PAGE * PAGE - host
+    if cut <= 0:
+        cut = -(-(host + 1) // PAGE) * PAGE - host  # the first page boundary inside the range
+    if cut >= nbytes:
+        return False  # within one page: not a registration boundary
+    return (split_at_pages(copy, dst, src, cut, host_is_src)
+            and split_at_pages(copy, dst + cut, src + cut, nbytes - cut, host_is_src))
+
+
+_COPIER = RowCopier()  # one per process
+copy_rows = _COPIER.copy_rows  # the kernel table's CUDA twins
+copy_block = _COPIER.copy_block

@@ -126,6 +126,7 @@ KERNELS = (
            "Tensor(a6!) token, Tensor after) -> ()"),
     Kernel("join_loads", reference.join_loads, "behind", "(Tensor(a0!) token) -> ()"),
     Kernel("copy_rows", reference.copy_rows, "row_copy"),  # a prompt's offload: a few cuMemcpy2DAsync per span
+    Kernel("copy_block", reference.copy_block, "row_copy"),  # whole pages staged: a few cuMemcpyAsync per block
     Kernel("reseat_slots", reference.reseat_slots, "slots",
            "(Tensor(a0!) slot_page, Tensor wanted, Tensor slot_phys, Tensor(a3!) table_buffer, Tensor slot_heads, "
            "SymInt num_heads, SymInt null_page, Tensor? when) -> (Tensor, Tensor)", _promoted_like),

@@ -37,10 +37,12 @@ def tiers(B, H, ps, D, dtype, cap):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("B,H,first,T", [(1, 6, 5, 700), (16, 6, 0, 256), (2, 3, 13, 3), (4, 2, 16, 1000)])
 def test_host_tier_rows_through_the_driver_equal_the_reference(dtype, B, H, first, T, monkeypatch):
-    """write_tokens / read_tokens of a pinned page-major tier on the copy stream: the reference's bytes, every block
-    one 2D copy (min(pages, rows x heads) per whole-page span), none through the per-run fallback."""
+    """write_tokens / read_tokens of a pinned page-major tier on the copy stream: the reference's bytes; written, the
+    whole pages one block (one cuMemcpyAsync: one registration) and each partial page one 2D copy, none through the
+    per-run fallback; read back, one block."""
     from flexicache_hf.kernels import TRITON_OPS
     from flexicache_hf.kernels.row_copy import RowCopier
+    from flexicache_hf.pages import token_spans
 
     ps, D = 16, 128
     cap = (first + T) // ps + 3
@@ -48,9 +50,10 @@ def test_host_tier_rows_through_the_driver_equal_the_reference(dtype, B, H, firs
     assert cuda.k.is_pinned() and cuda.k.shape == (cuda.page_capacity, B, H, ps, D)
     k = torch.randn(B, H, T, D, device=DEV).to(dtype)
     v = torch.randn(B, H, T, D, device=DEV).to(dtype)
-    calls = {"2d": 0, "per_run": 0}
-    two_d, per_run = RowCopier._copy_2d, RowCopier._per_run
+    calls = {"2d": 0, "flat": 0, "per_run": 0}
+    two_d, flat, per_run = RowCopier._copy_2d, RowCopier._copy_flat, RowCopier._per_run
     monkeypatch.setattr(RowCopier, "_copy_2d", lambda *a: calls.__setitem__("2d", calls["2d"] + 1) or two_d(*a))
+    monkeypatch.setattr(RowCopier, "_copy_flat", lambda *a: calls.__setitem__("flat", calls["flat"] + 1) or flat(*a))
     monkeypatch.setattr(RowCopier, "_per_run", staticmethod(
         lambda d, s: calls.__setitem__("per_run", calls["per_run"] + 1) or per_run(d, s)))
     with cuda.copies:
@@ -59,7 +62,9 @@ def test_host_tier_rows_through_the_driver_equal_the_reference(dtype, B, H, firs
     cpu.write_tokens(k.cpu(), v.cpu(), first)
     copier = TRITON_OPS.copy_rows.__self__
     assert copier.unavailable is None, copier.unavailable
-    assert calls["per_run"] == 0 and calls["2d"] > 0
+    spans = token_spans(first, first + T, ps)
+    whole = sum(span.hi - span.lo == ps for span in spans)  # (a run of whole pages: at most one span)
+    assert calls == {"2d": 2 * (len(spans) - whole), "flat": 2 * whole, "per_run": 0}, calls
     span = slice(first // ps, -(-(first + T) // ps))  # the pages written (positions outside: never read)
     lo, hi = first % ps, (first + T - 1) % ps + 1
     for mine, ref in ((cuda.k, cpu.k), (cuda.v, cpu.v)):
@@ -73,6 +78,7 @@ def test_host_tier_rows_through_the_driver_equal_the_reference(dtype, B, H, firs
     cuda.copies.hand_off()
     torch.cuda.synchronize()
     assert torch.equal(back[0], k) and torch.equal(back[1], v)
+    assert calls["flat"] == 2 * whole + 2 and calls["per_run"] == 0  # read back: one block each of K and V
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

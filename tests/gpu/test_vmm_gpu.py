@@ -244,3 +244,33 @@ def test_bench_runs_and_accounts_for_what_it_maps():
         assert row["committed_gb"] >= 0.25 and row["s_per_gb"] > 0
         if row["kind"] == "device":
             assert abs(row["mem_delta_gb"] - row["committed_gb"]) <= 0.01
+
+
+def test_a_block_read_across_a_host_ranges_registrations_is_exact_in_few_copies(monkeypatch):
+    """``copy_block`` (how a follow-up prompt chunk reads its offloaded prefix back) from a pinned host range committed
+    in three growths (three registrations), into the device and back: every byte, a few ``cuMemcpyAsync`` calls
+    (cut only where one crosses a registration), the driver path never turned off."""
+    from flexicache_hf.kernels import TRITON_OPS
+    from flexicache_hf.kernels.row_copy import RowCopier
+
+    r = HostRange(64 * MIB, DEV, chunk_bytes=4 * MIB, align=4096)
+    cpu = r.tensor((-1, 1024), torch.float32)
+    for nbytes in (5 * MIB, 13 * MIB, 30 * MIB):
+        r.grow_to(nbytes)
+    rows = r.committed_bytes // 4096
+    cpu[:rows] = torch.randn(rows, 1024)
+    calls = []
+    flat = RowCopier._copy_flat
+    monkeypatch.setattr(RowCopier, "_copy_flat", lambda *a: calls.append(a[-1]) or flat(*a))
+    first = 7  # (a block that starts inside the first registration, ends inside the last)
+    dev = torch.empty(rows - first - 3, 1024, device=DEV)
+    TRITON_OPS.copy_block(dev, cpu[first:rows - 3])
+    back = torch.empty(rows - first - 3, 1024, device=DEV)
+    back.copy_(dev)
+    TRITON_OPS.copy_block(cpu[first:rows - 3], back.mul_(2))
+    torch.cuda.synchronize()
+    assert TRITON_OPS.copy_block.__self__.unavailable is None
+    assert torch.equal(dev.cpu() * 2, cpu[first:rows - 3])
+    assert 2 <= len(calls) <= 2 * 2 * 2 * 14, calls  # two copies, at most ~2 log2(pages) calls per crossing
+    del cpu
+    r.release()
