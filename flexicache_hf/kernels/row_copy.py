@@ -95,20 +95,14 @@ class RowCopier:
     def copy_rows(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``dst.copy_(src)`` for ``[B, H, P, n, D]`` (or ``[B, H, T, D]``) views, one of them pinned host memory;
         asynchronous."""
-        if dst.shape != src.shape or dst.dtype != src.dtype:
-            raise ValueError(f"copy_rows needs equal shapes and dtypes, got {tuple(dst.shape)} {dst.dtype} "
-                             f"and {tuple(src.shape)} {src.dtype}")
-        if dst.numel() == 0:
-            return
-        cuda = [t.device for t in (dst, src) if t.device.type == "cuda"]
-        host = [t for t in (dst, src) if t.device.type == "cpu"]
-        if len(cuda) != 1 or len(host) != 1 or not host[0].is_pinned():
+        device = _pinned_pair(dst, src, "copy_rows")
+        if device is None:
             dst.copy_(src, non_blocking=True)  # device <-> device, or pageable memory: torch handles it
             return
-        driver = self._driver(cuda[0])
+        driver = self._driver(device)
         for d, s in blocks(dst, src):
             args = copy_2d_args(d, s)
-            if driver is None or args is None or not self._copy_split(driver, cuda[0], args):
+            if driver is None or args is None or not self._copy_split(driver, device, args):
                 self._per_run(d, s)
 
     def _copy_split(self, driver, device: torch.device, args: tuple[int, int, int, int, int, int]) -> bool:
@@ -129,9 +123,7 @@ class RowCopier:
                                                       width, height - half)))
 
     def _copy_2d(self, driver, device: torch.device, args: tuple[int, int, int, int, int, int]) -> bool | None:
-        """One ``cuMemcpy2DAsync`` (:func:`copy_2d_args`): True when queued; None where the rows crossed a
-        registration of host memory pinned in pieces (the driver's ``CUDA_ERROR_INVALID_VALUE``); False on any other
-        failure, with the driver path off from then on."""
+        """One ``cuMemcpy2DAsync`` (:func:`copy_2d_args`), answered as :meth:`_answer` says."""
         p = driver.CUDA_MEMCPY2D()
         unified = driver.CUmemorytype.CU_MEMORYTYPE_UNIFIED  # pinned host pointers are device addresses (UVA)
         p.dstMemoryType, p.dstDevice, p.dstPitch = unified, args[0], args[1]
@@ -139,14 +131,19 @@ class RowCopier:
         p.WidthInBytes, p.Height = args[4], args[5]
         stream = driver.CUstream(torch.cuda.current_stream(device).cuda_stream)
         (err,) = driver.cuMemcpy2DAsync(p, stream)
+        # (refused: the runs span host memory registered in pieces, a block the driver would not page-lock whole or
+        # a reserved range committed in growths: one 2D copy may not cross a registration, a run never does)
+        return self._answer(driver, err, "cuMemcpy2DAsync")
+
+    def _answer(self, driver, err, call: str) -> bool | None:
+        """A copy's driver answer: True when queued; None when ``CUDA_ERROR_INVALID_VALUE`` (the range crossed a
+        registration of host memory); False on any other failure, with the driver path off from then on."""
         if err == driver.CUresult.CUDA_SUCCESS:
             return True
         if err == driver.CUresult.CUDA_ERROR_INVALID_VALUE:
-            # The runs span host memory registered in pieces (a block the driver would not page-lock whole,
-            # host_memory.py): one 2D copy may not cross a registration, a run never does (pieces are whole runs).
             return None
-        self.unavailable = f"cuMemcpy2DAsync failed: {err}"
-        warnings.warn(f"FlexiCache: {self.unavailable}; host-tier row copies fall back to one copy per row")
+        self.unavailable = f"{call} failed: {err}"
+        warnings.warn(f"FlexiCache: {self.unavailable}; host-tier copies fall back to torch's copies")
         return False
 
     def copy_block(self, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -155,40 +152,42 @@ class RowCopier:
         Pinned memory goes through ``cuMemcpyAsync``, the range cut at page-aligned host addresses where it crosses
         a registration (:meth:`_copy_flat`): a few calls for a prefix of any batch, where :meth:`copy_rows` makes one
         2D copy per (row, head), each cut again at every registration it crosses."""
-        if dst.shape != src.shape or dst.dtype != src.dtype or not (dst.is_contiguous() and src.is_contiguous()):
-            raise ValueError(f"copy_block needs contiguous tensors of one shape and dtype, got {tuple(dst.shape)} "
-                             f"{dst.dtype} and {tuple(src.shape)} {src.dtype}")
-        if dst.numel() == 0:
-            return
-        cuda = [t.device for t in (dst, src) if t.device.type == "cuda"]
-        host = [t for t in (dst, src) if t.device.type == "cpu"]
-        driver = self._driver(cuda[0]) if len(cuda) == 1 and len(host) == 1 and host[0].is_pinned() else None
+        if not (dst.is_contiguous() and src.is_contiguous()):
+            raise ValueError("copy_block needs contiguous tensors")
+        device = _pinned_pair(dst, src, "copy_block")
+        driver = None if device is None else self._driver(device)
         if driver is None:
             dst.copy_(src, non_blocking=True)
             return
         host_is_src = src.device.type == "cpu"
-        stream = driver.CUstream(torch.cuda.current_stream(cuda[0]).cuda_stream)
+        stream = driver.CUstream(torch.cuda.current_stream(device).cuda_stream)
         copy = functools.partial(self._copy_flat, driver, stream)
         if not split_at_pages(copy, dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size(), host_is_src):
             dst.copy_(src, non_blocking=True)  # the driver path went off on the way: torch redoes it whole
 
     def _copy_flat(self, driver, stream, dst: int, src: int, nbytes: int) -> bool | None:
-        """One ``cuMemcpyAsync`` of ``nbytes`` (unified addresses): True when queued; None where the range crossed a
-        registration of host memory (``CUDA_ERROR_INVALID_VALUE``); False on any other failure, the driver path off."""
+        """One ``cuMemcpyAsync`` of ``nbytes`` (unified addresses), answered as :meth:`_answer` says."""
         (err,) = driver.cuMemcpyAsync(dst, src, nbytes, stream)
-        if err == driver.CUresult.CUDA_SUCCESS:
-            return True
-        if err == driver.CUresult.CUDA_ERROR_INVALID_VALUE:
-            return None
-        self.unavailable = f"cuMemcpyAsync failed: {err}"
-        warnings.warn(f"FlexiCache: {self.unavailable}; host-tier row copies fall back to torch's copies")
-        return False
+        return self._answer(driver, err, "cuMemcpyAsync")
 
     @staticmethod
     def _per_run(dst: torch.Tensor, src: torch.Tensor) -> None:
         for b in range(dst.shape[0]):
             for h in range(dst.shape[1]):
                 dst[b, h].copy_(src[b, h], non_blocking=True)
+
+
+def _pinned_pair(dst: torch.Tensor, src: torch.Tensor, what: str) -> torch.device | None:
+    """The device of a copy between it and pinned host memory (the driver's to make), else None (torch's: device to
+    device, pageable memory, or nothing to copy); a copy between unequal shapes or dtypes is refused."""
+    if dst.shape != src.shape or dst.dtype != src.dtype:
+        raise ValueError(f"{what} needs equal shapes and dtypes, got {tuple(dst.shape)} {dst.dtype} "
+                         f"and {tuple(src.shape)} {src.dtype}")
+    cuda = [t.device for t in (dst, src) if t.device.type == "cuda"]
+    host = [t for t in (dst, src) if t.device.type == "cpu"]
+    if dst.numel() == 0 or len(cuda) != 1 or len(host) != 1 or not host[0].is_pinned():
+        return None
+    return cuda[0]
 
 
 def split_at_pages(copy: Callable[[int, int, int], bool | None], dst: int, src: int, nbytes: int,
