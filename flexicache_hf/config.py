@@ -45,7 +45,8 @@ class FlexiCacheConfig:
         host_memory_limit: cap in bytes on the host tier of one cache (``None``: no cap), counting what the
             tiers hold: exactly their pages with ``max_cache_len``, else the coarser steps a growing pinned tier
             takes (:func:`~flexicache_hf.pages.host_capacity`).  Exceeding it raises
-            :class:`~flexicache_hf.HostMemoryError` before anything is written.
+            :class:`~flexicache_hf.HostMemoryError` before anything is written.  With or without it, a growth past
+            the memory the machine has left (less a margin) is refused the same way (:mod:`~flexicache_hf.host_room`).
         sink_pages: the first pages (attention sinks) every re-rank keeps, inside the budget.  0 = the paper.
         recent_pages: the newest pages every re-rank keeps, inside the budget (the page being appended to is
             always kept).  0 = the paper.  Small models lean on local context that the min/max bound can miss.
