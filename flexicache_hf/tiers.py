@@ -267,10 +267,7 @@ class HostTier:
             self.copies.keep_alive(src)
             for span in spans:
                 if src.device != tier.device and span.hi - span.lo == self.page_size:
-                    pages = tier[span.p0:span.p1]
-                    stage = torch.empty(pages.shape, dtype=pages.dtype, device=src.device)  # (on the copy stream)
-                    span.pages(stage, first_page=span.p0).copy_(span.rows(src))
-                    self.ops.copy_block(pages, stage)
+                    self.ops.copy_block(tier[span.p0:span.p1], page_major(span, src))  # (staged on the copy stream)
                 else:
                     self.ops.copy_rows(span.pages(tier), span.rows(src))
 
@@ -307,6 +304,15 @@ class HostTier:
         torch.index_select(self.v, 1, index, out=v)
         self._set(k, v)
         self.batch = index.numel()
+
+
+def page_major(span, rows: torch.Tensor) -> torch.Tensor:
+    """The whole pages ``span`` covers of token rows ``[B, heads, T, D]``, laid out as the page-major tier holds them,
+    ``[p1 - p0, B, heads, page_size, D]`` (a new tensor on ``rows``' device: one block to copy)."""
+    B, H, _, D = rows.shape
+    out = torch.empty((span.p1 - span.p0, B, H, span.hi - span.lo, D), dtype=rows.dtype, device=rows.device)
+    span.pages(out, first_page=span.p0).copy_(span.rows(rows))
+    return out
 
 
 class SlotTable:

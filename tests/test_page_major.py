@@ -9,7 +9,7 @@ import torch
 from flexicache_hf.kernels import REFERENCE_OPS
 from flexicache_hf.kernels.row_copy import PAGE, split_at_pages, blocks, copy_2d_args
 from flexicache_hf.pages import PagePool, PoolLayout, token_spans
-from flexicache_hf.tiers import CopyStream, HostTier, SlotTable
+from flexicache_hf.tiers import CopyStream, HostTier, SlotTable, page_major
 
 CPU = torch.device("cpu")
 
@@ -209,3 +209,18 @@ def test_a_block_read_is_cut_only_where_it_crosses_a_registration(offset):
     assert torch.equal(dev, host[offset:offset + dev.numel()])
     assert len(calls) <= 2 + 4 * len(bounds) * 6  # (log2 of the range in pages per boundary, both halves)
     assert not split_at_pages(lambda d, s, n: None, dev.data_ptr(), src0, dev.numel(), host_is_src=True)
+
+
+def test_a_chunks_whole_pages_staged_page_major_are_the_tiers_bytes():
+    """What a chunk's offload from a device writes as one block (``tiers.page_major``): the whole pages, laid out as
+    the tier holds them after the reference's row copies."""
+    ps, B, H, D, first, T = 4, 2, 3, 8, 6, 19
+    rows = torch.randn(B, H, T, D)
+    t = HostTier(B, H, ps, D, torch.float32, CPU, None, CopyStream(CPU), REFERENCE_OPS)
+    t.grow(8)
+    t.write_tokens(rows, rows * 2, first)  # (same device: span by span through copy_rows)
+    whole = [span for span in token_spans(first, first + T, ps) if span.hi - span.lo == ps]
+    assert len(whole) == 1
+    span = whole[0]
+    assert torch.equal(page_major(span, rows), t.k[span.p0:span.p1])
+    assert torch.equal(page_major(span, rows * 2), t.v[span.p0:span.p1])
