@@ -49,9 +49,10 @@ def check_host_growth(need: int, limit: int | None, new: int,
         return
     BLOCKS.release()  # blocks kept for later tiers, then caches no one can reach (a dropped cache in a cycle)
     gc.collect()
-    free = _spare(room())
+    now = room()
+    free = _spare(now)
     if free is not None and new > free:
-        available, total = room()
+        available, total = now
         raise HostMemoryError(
             f"the host tier would grow by {format_bytes(new)}, but this machine has {format_bytes(available)} of "
             f"memory available and {format_bytes(margin_bytes(total))} of it is kept free; shorten the prompt or the "
@@ -74,7 +75,7 @@ def machine_room() -> tuple[int, int] | None:
     """``(available, total)`` bytes of memory this process may still take: ``MemAvailable`` and ``MemTotal``, each
     bounded by the cgroup v2 ``memory.max`` (less its ``memory.current``, plus its reclaimable file pages) where one is
     set; None where ``/proc/meminfo`` cannot be read."""
-    info = _meminfo()
+    info = meminfo()
     if "MemAvailable" not in info or "MemTotal" not in info:
         return None
     available, total = info["MemAvailable"], info["MemTotal"]
@@ -84,7 +85,8 @@ def machine_room() -> tuple[int, int] | None:
     return available, total
 
 
-def _meminfo() -> dict[str, int]:
+def meminfo() -> dict[str, int]:
+    """``/proc/meminfo``'s fields in bytes (``{}`` where it cannot be read)."""
     try:
         text = Path("/proc/meminfo").read_text()
     except OSError:

@@ -22,10 +22,11 @@ each step) or at that forward's first update (:func:`make_room`).  Growth: at la
 forward (after the length and host checks, before any write) and, for compiled steps, at ``get_mask_sizes``, one
 chunk ahead of the host's upper bound of the length (``DecodeState.announce``; no synchronisation on the common
 path), so a captured step never writes uncommitted memory.  ``host_memory_limit`` and the machine's room
-(:mod:`~flexicache_hf.host_room`) are checked on every layer's committed host bytes before any layer commits.  Committed memory is never given back while the cache lives
-(``reset`` keeps it, as a sized cache keeps its buffers); a dropped cache's reserved storage, committed memory and
-all, serves the next cache of its shape and context (:mod:`~flexicache_hf.recycling`: same addresses, so its first
-decode step replays the recorded graphs and its host tier is already page-locked), or is freed.
+(:mod:`~flexicache_hf.host_room`) are checked on every layer's committed host bytes before any layer commits.
+Committed memory is never given back while the cache lives (``reset`` keeps it, as a sized cache keeps its
+buffers); a dropped cache's reserved storage, committed memory and all, serves the next cache of its shape and
+context (:mod:`~flexicache_hf.recycling`: same addresses, so its first decode step replays the recorded graphs and
+its host tier is already page-locked), or is freed.
 """
 
 from __future__ import annotations
@@ -251,8 +252,9 @@ def make_room(cache, need: int, device: torch.device) -> None:
     """Reserved storage for every layer of ``cache`` with room for ``need`` pages (eager: before any write of the
     forward; compiled: before the step).  Layers still growing (after the first prompt) are moved into reserved
     storage first.  Refuses (HostMemoryError), before anything changes, when the layers' committed host bytes would
-    pass ``host_memory_limit`` or their growth the machine's room (:mod:`~flexicache_hf.host_room`).  Nothing happens unless every layer is initialised and the cache reserves (a forward
-    that initialises a layer is laid out by :func:`plan_first` instead)."""
+    pass ``host_memory_limit`` or their growth the machine's room (:mod:`~flexicache_hf.host_room`).  Nothing happens
+    unless every layer is initialised and the cache reserves (a forward that initialises a layer is laid out by
+    :func:`plan_first` instead)."""
     context = context_for(cache, device)
     layers = cache.layers
     if context is None or not all(layer.is_initialized for layer in layers):

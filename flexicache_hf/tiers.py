@@ -276,9 +276,9 @@ class HostTier:
         ``[B, heads, T, D]`` (device buffers made on the compute stream; exact attention over a cached prefix).
 
         The pages holding them are contiguous in the page-major tier: on a device they are read whole into one
-        staging buffer (``copy_block``: a few large copies whatever the batch), then laid out
-        token by token on the device, K then V through the same buffer.  Runs on the copy stream (call inside
-        ``copy_context``, then hand the stream off before reading).
+        staging buffer (``copy_block``: a few large copies whatever the batch), then laid out token by token on the
+        device, K then V through the same buffer.  Runs on the copy stream (call inside ``copy_context``, then hand
+        the stream off before reading).
         """
         spans = token_spans(first, first + keys.shape[2], self.page_size)
         if not spans:

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from ..block_keeper import BlockKeeper
+from ..host_room import meminfo
 from ..host_memory import PAGE, PinnedBlock, PinSettings, map_anonymous, populate, register, unmap, unregister
 from . import emit_json
 from .generate.device import empty_host_cache
@@ -55,8 +56,7 @@ def machine() -> dict:
         except OSError:
             return None
 
-    mem = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in (read("/proc/meminfo") or "").splitlines()
-           if line.split(":")[0] in ("MemTotal", "MemAvailable")}
+    mem = {k: v for k, v in meminfo().items() if k in ("MemTotal", "MemAvailable")}
     driver = None
     try:
         from cuda.bindings import driver as drv
@@ -73,11 +73,7 @@ def machine() -> dict:
 
 def available_bytes() -> int:
     """MemAvailable (0 when unknown)."""
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        return 0
+    return meminfo().get("MemAvailable", 0)
 
 
 def copy_speed(host: torch.Tensor) -> dict:

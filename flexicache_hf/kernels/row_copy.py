@@ -27,15 +27,13 @@ asynchronous into pinned memory).
 from __future__ import annotations
 
 import functools
-import mmap
 import warnings
 from typing import Callable
 
 import torch
 
 from ..cuda_context import make_current
-
-PAGE = mmap.PAGESIZE  # registrations of host memory start and end on OS pages
+from ..host_memory import PAGE  # registrations of host memory start and end on OS pages
 
 
 def _row_pitch(t: torch.Tensor) -> int | None:

@@ -8,6 +8,8 @@ import os
 
 import torch
 
+from ...host_room import meminfo
+
 
 def error_record(e: BaseException) -> dict:
     if isinstance(e, torch.OutOfMemoryError):
@@ -25,13 +27,9 @@ def kv_bytes(config, batch: int, tokens: int, elt: int = 2) -> int:
 
 
 def default_host_limit_gb() -> float:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return 0.7 * int(line.split()[1]) * 1024 / 1e9
-    except OSError:
-        pass
+    total = meminfo().get("MemTotal")
+    if total:
+        return 0.7 * total / 1e9
     try:
         return 0.7 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
     except (ValueError, OSError, AttributeError):
