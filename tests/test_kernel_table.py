@@ -44,8 +44,8 @@ SCHEMAS = {
 def test_each_row_is_a_field_of_every_backend_and_its_op_keeps_its_schema():
     names = [k.name for k in KERNELS]
     assert names == ["minmax_update", "append_token", "page_scores", "page_lse", "group_mass", "select_pages",
-                     "sparse_decode", "copy_pages", "copy_kv_pages", "load_pages_behind", "join_loads", "copy_rows", "copy_block",
-                     "reseat_slots", "place_page", "plan_step", "begin_layer"]
+                     "sparse_decode", "copy_pages", "copy_kv_pages", "load_pages_behind", "join_loads", "copy_rows",
+                     "copy_block", "reseat_slots", "place_page", "plan_step", "begin_layer"]
     assert [f.name for f in KernelOps.__dataclass_fields__.values()] == ["name", *names]
     assert set(OPS) == set(SCHEMAS)
     for name, schema in SCHEMAS.items():
