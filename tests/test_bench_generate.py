@@ -61,32 +61,51 @@ def test_step_clock_stops_after():
 
 
 def test_step_clock_profiles_the_prefill_only(monkeypatch):
-    """``profile_prefill``: the calling thread's Python from ``start`` to the first stamp, nothing after it;
-    ``top_functions`` lists the functions by cumulative time."""
+    """``profile_prefill``: the calling thread's stacks from ``start`` to the first stamp, nothing after it and
+    nothing another thread runs meanwhile (as the host tier's page-locking threads do beside a prefill);
+    ``top_functions`` lists the functions by inclusive time."""
+    import threading
     import time
 
-    from flexicache_hf.bench.generate.clock import top_functions
+    from flexicache_hf.bench.generate.clock import top_functions, top_lines
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
 
+    def other_thread_work(stop):
+        while not stop.is_set():
+            time.sleep(0.001)
+
+    def prefill_wait():
+        time.sleep(0.03)
+
     def prefill_work():
-        time.sleep(0.02)
+        prefill_wait()
 
     def decode_work():
         time.sleep(0.01)
 
+    stop = threading.Event()
+    other = threading.Thread(target=other_thread_work, args=(stop,))
+    other.start()
     c = StepClock(stop_after=2, profile_prefill=True)
     c.start()
     prefill_work()
     c(torch.zeros(1, 3, dtype=torch.long), None)  # the first token: the profile stops
     decode_work()
     c(torch.zeros(1, 4, dtype=torch.long), None)
+    stop.set()
+    other.join()
     rows = top_functions(c.profiler, 50)
     where = [r[3] for r in rows]
-    assert any("prefill_work" in w for w in where) and not any("decode_work" in w for w in where)
-    cum = {r[3].split("(")[-1].rstrip(")"): r[0] for r in rows}
-    assert cum["prefill_work"] >= 0.015
+    assert any("prefill_work" in w for w in where)
+    assert not any("decode_work" in w or "other_thread_work" in w for w in where)
+    incl = {r[3].split("(")[-1].rstrip(")"): r for r in rows}
+    assert incl["prefill_work"][0] >= 0.015 and incl["prefill_work"][1] < 0.005  # its time is its callee's
+    assert incl["prefill_wait"][1] >= 0.015 and incl["prefill_wait"][2] >= 5
     assert [r[0] for r in rows] == sorted((r[0] for r in rows), reverse=True) and len(top_functions(c.profiler, 2)) == 2
+    line = top_lines(c.profiler, 1)[0]
+    assert "prefill_wait" in line[2] and line[0] >= 0.015  # the line calling time.sleep
+    assert int(line[2].split(":")[-1].split("(")[0]) == prefill_wait.__code__.co_firstlineno + 1
     assert StepClock().profiler is None
 
 

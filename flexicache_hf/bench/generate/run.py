@@ -13,7 +13,7 @@ import warnings
 import torch
 
 from ...hf_compat import forward_cache_kwarg, generate_cache_kwarg
-from .clock import StepClock, summarise, summarise_assisted, top_functions
+from .clock import StepClock, summarise, summarise_assisted, top_functions, top_lines
 from .device import (HostLimitError, TritonCompiles, compile_phases, cudagraph_recordings, dynamo_counts,
                      empty_host_cache, error_record, kv_bytes, phases_since, pinned_stats, release)
 from .rows import attn_impl, is_compiled, is_profiled, is_user_call
@@ -124,7 +124,8 @@ def generate_once(model, ids, row: str, args, new: int, *, profile=None, stop_af
                and not eager and not lookup, prefill_chunk_size=chunk or None,
                prompt_lookup=lookup or None, **builds.record())
     if clock.profiler is not None:  # the calling thread's Python up to the first token (--prefill-profile)
-        res["prefill_profile"] = top_functions(clock.profiler)
+        res["prefill_profile"] = top_functions(clock.profiler, 60)  # (the outer ~20 are generate's own chain)
+        res["prefill_lines"] = top_lines(clock.profiler)
     if rec0 is not None and rec1 is not None and rec1 >= rec0:
         res["cudagraphs_recorded"] = rec1 - rec0  # 0: every compiled step replayed graphs recorded earlier
     cg = {k: v - cg0.get(k, 0) for k, v in cg1.items() if v - cg0.get(k, 0)}
@@ -215,6 +216,7 @@ def run_row(model, ids, row, args, profile, warmed: set, *, again: bool = True) 
                     "warmup_triton_kernels": res.get("triton_kernels"),
                     "warmup_compile_phases": phases_since(phases),  # torch.compile's phases, seconds
                     "warmup_prefill_profile": res.get("prefill_profile"),
+                    "warmup_prefill_lines": res.get("prefill_lines"),
                     "compile_skipped": res["dynamo_graphs_added"] == 0}  # generate declined to compile
         elif row not in warmed:
             generate_once(model, ids[:1, :1024], row, args, 8, profile=profile)
