@@ -67,7 +67,7 @@ def test_step_clock_profiles_the_prefill_only(monkeypatch):
     import threading
     import time
 
-    from flexicache_hf.bench.generate.clock import top_functions, top_lines
+    from flexicache_hf.bench.generate.sampler import top_functions, top_lines
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
 

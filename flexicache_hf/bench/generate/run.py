@@ -13,7 +13,8 @@ import warnings
 import torch
 
 from ...hf_compat import forward_cache_kwarg, generate_cache_kwarg
-from .clock import StepClock, summarise, summarise_assisted, top_functions, top_lines
+from .clock import StepClock, summarise, summarise_assisted
+from .sampler import top_functions, top_lines
 from .device import (HostLimitError, TritonCompiles, compile_phases, cudagraph_recordings, dynamo_counts,
                      empty_host_cache, error_record, kv_bytes, phases_since, pinned_stats, release)
 from .rows import attn_impl, is_compiled, is_profiled, is_user_call
