@@ -8,6 +8,7 @@ initialised: :func:`flexicache_hf.kernels.table.build_ahead`).
 
 from .attention import register as _register
 from .cache import CacheStats, FlexiCache
+from .chunked_prefill import prefill_in_chunks
 from .handle import CacheStateError, ConcurrentUseError, PagedKV, UnsupportedModelError
 from .layer import FlexiCacheLayer
 from .config import ConfigError, FlexiCacheConfig
@@ -38,6 +39,7 @@ __all__ = [
     "SelectionObserver",
     "UnsupportedModelError",
     "kept_storage_bytes",
+    "prefill_in_chunks",
     "release_storage",
     "resolve_profile",
 ]

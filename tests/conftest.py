@@ -38,6 +38,18 @@ def twin_models(config, seed: int = 0):
     return fc, dense
 
 
+def padded_pair(length: int, pads: int):
+    """A 2-layer tiny Llama twin pair (``twin_models``, Dynamo reset first) and a 2-row batch of ``length`` tokens
+    whose second row is left-padded by ``pads``: ``(config, flexicache model, dense model, ids, mask)``."""
+    torch._dynamo.reset()
+    cfg = tiny_config("llama", heads=4, kv_heads=2, layers=2, head_dim=16)
+    fc, dense = twin_models(cfg)
+    ids = torch.randint(2, 90, (2, length), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :pads] = 0
+    return cfg, fc, dense, ids, mask
+
+
 def compile_config():
     """generate's compile of the decode step on the CPU: Dynamo + AOT autograd with the ``aot_eager`` backend (no
     code generation), the whole forward in one graph (``fullgraph=True``)."""

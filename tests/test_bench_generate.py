@@ -11,7 +11,7 @@ from flexicache_hf.bench.generate.clock import MARK, StepClock, _pct, summarise
 from flexicache_hf.bench.generate.device import error_record, kv_bytes
 from flexicache_hf.bench.generate.report import add_ratios, format_table
 from flexicache_hf.bench.generate.rows import attn_impl, check_rows, expand_rows, is_compiled, probe_key
-from flexicache_hf.bench.generate.run import prefill_in_chunks
+from flexicache_hf import prefill_in_chunks
 from flexicache_hf.bench.generate.search import search_largest
 from flexicache_hf.bench.generate.trace import (concurrent_length, gpu_busy, launch_offsets, split_events,
                                                step_timeline, top_kernels, union_length)

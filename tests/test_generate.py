@@ -198,7 +198,7 @@ def test_forward_callers_pass_the_cache_under_the_name_the_forward_takes():
     import pathlib
     import warnings
 
-    from flexicache_hf.bench.generate.run import prefill_in_chunks
+    from flexicache_hf import prefill_in_chunks
     from flexicache_hf.eval.decoding import greedy as eval_greedy
     from flexicache_hf.hf_compat import forward_cache_kwarg
 
@@ -383,8 +383,8 @@ def test_chunked_prefill_equals_dense(max_cache_len):
 @pytest.mark.parametrize("max_cache_len", [None, 80])
 def test_chunks_through_forward_then_generate_equals_dense(max_cache_len):
     """The README's route around a compiled chunked prefill: the prompt's chunks through the model's forward
-    (``bench.generate.prefill_in_chunks``), then ``generate`` on the filled cache; dense tokens at a full budget."""
-    from flexicache_hf.bench.generate import prefill_in_chunks
+    (``flexicache_hf.prefill_in_chunks``), then ``generate`` on the filled cache; dense tokens at a full budget."""
+    from flexicache_hf import prefill_in_chunks
 
     cfg = tiny_config("llama", heads=4, kv_heads=2)
     fc, dense = twin_models(cfg)

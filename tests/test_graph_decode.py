@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import compile_config, tiny_config, twin_models
+from conftest import compile_config, padded_pair
 from flexicache_hf import FlexiCache
 from flexicache_hf.head_profile import HeadProfile
 
@@ -26,13 +26,7 @@ def graphs():
 
 @pytest.fixture(scope="module")
 def setup():
-    torch._dynamo.reset()
-    cfg = tiny_config("llama", heads=4, kv_heads=2, layers=2, head_dim=16)
-    fc, dense = twin_models(cfg)
-    ids = torch.randint(2, 90, (2, 37), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones_like(ids)
-    mask[1, :5] = 0  # a left-padded row
-    return cfg, fc, dense, ids, mask
+    return padded_pair(37, 5)
 
 
 def run(model, ids, mask, cache, new, compiled):

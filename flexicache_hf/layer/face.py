@@ -166,6 +166,10 @@ class FlexiCacheLayer(CacheLayerMixin):
         """Each row's left padding from a chunk's 2D mask; refuses right padding or a changed padding."""
         return prefill.check_padding(self, handle.start, mask2d)
 
+    def check_token_padding(self, mask2d: torch.Tensor | None) -> None:
+        """Refuses a one-token forward that would add left padding (:func:`~.prefill.check_token_padding`)."""
+        prefill.check_token_padding(self, mask2d)
+
     def observe_chunk(self, handle, lead) -> None:
         prefill.observe_chunk(self, handle.keys.detach(), handle.start, lead)
 

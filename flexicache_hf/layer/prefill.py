@@ -42,9 +42,11 @@ def store_chunk(layer, keys: torch.Tensor, values: torch.Tensor, start: int):
     return k, v
 
 
-def check_padding(layer, start: int, mask2d: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
-    """Before attending a chunk: each row's left padding ``[B]`` from the chunk's 2D mask, and whether any row is
-    padded.  Refuses right padding (or gaps) and a follow-up chunk that changes the padding; changes nothing."""
+def check_padding(layer, start: int, mask2d: torch.Tensor | None) -> tuple[torch.Tensor, bool, bool]:
+    """Before attending a chunk: each row's left padding ``[B]`` from the chunk's 2D mask, whether any row is
+    padded, and whether a row holds nothing but padding so far (its padding may go on into the next forward, which
+    :func:`check_token_padding` checks).  Refuses right padding (or gaps) and a follow-up chunk that changes the
+    padding; changes nothing."""
     s = layer.storage
     if mask2d is None:
         lead = torch.zeros(s.batch, dtype=torch.long, device=s.device)
@@ -60,14 +62,28 @@ def check_padding(layer, start: int, mask2d: torch.Tensor | None) -> tuple[torch
     padded = mask2d is not None and bool(lead.any())
     if start and (padded != s.padded or (padded and not torch.equal(lead, s.valid_lo - layer.origin))):
         raise ValueError("a later prompt chunk changed the left padding of rows already in the cache")
-    return lead, padded
+    return lead, padded, padded and bool((lead >= mask2d.shape[-1]).any())
+
+
+def check_token_padding(layer, mask2d: torch.Tensor | None) -> None:
+    """Before a one-token forward (a decode step, eager) attends: refuses it when it would add left padding to a row
+    that holds nothing but padding so far (a prompt fed a token at a time, ``prefill_chunk_size=1``): a decode step
+    takes its token as real.  Reads the mask (a device sync) only in that state; changes nothing."""
+    if not getattr(layer.storage, "open_padding", False) or mask2d is None:
+        return
+    if not bool(mask2d[:, -1].all()):
+        raise ValueError(
+            "a one-token forward cannot add left padding: a row of this batch holds only padding so far, and a "
+            "decode step takes its token as real. Feed the prompt so that its first chunk covers every row's left "
+            "padding and a token after it (flexicache_hf.prefill_in_chunks does; generate's prefill_chunk_size "
+            "must exceed the longest left padding)")
 
 
 def observe_chunk(layer, keys: torch.Tensor, start: int, padding: tuple[torch.Tensor, bool]) -> None:
     """Take the chunk's left padding (:func:`check_padding`) and fold its keys into the MinMax cache.  The
     kernels' ``valid_lo`` is a storage position: the first ``origin`` positions count as padding."""
     s = layer.storage
-    lead, s.padded = padding
+    lead, s.padded, s.open_padding = padding
     s.valid_lo.copy_(lead + layer.origin)  # in place: a decode graph reads it at its address
     layer.reranker.first_page.copy_(torch.div(s.valid_lo, layer.config.page_size, rounding_mode="floor"))
     s.ops.minmax_update(s.kmin, s.kmax, keys, layer.origin + start, s.valid_lo, layer.config.page_size)

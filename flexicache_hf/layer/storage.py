@@ -45,6 +45,7 @@ class LayerStorage:
         self.max_pages = torch.empty_like(self.min_pages)
         self.valid_lo = torch.zeros(B, dtype=torch.long, device=self.device)
         self.padded = False  # whether any row has left padding (valid_lo > 0), known on the host
+        self.open_padding = False  # whether a row holds only padding so far (prefill.check_token_padding)
         # [B, slot_heads] physical page of the newest page of the offloaded heads (valid once a token is in)
         self.tail_phys = torch.zeros((B, len(slot_heads)), dtype=torch.long, device=self.device)
         # A prompt chunk's offload runs on the copy stream while the next layers compute; the compute stream
@@ -253,7 +254,7 @@ class LayerStorage:
             self.slots.clear()
         self.tail_phys.zero_()
         self.valid_lo.zero_()
-        self.padded, self.host_current, self.copies_pending = False, True, False
+        self.padded, self.open_padding, self.host_current, self.copies_pending = False, False, True, False
         self.prefetched = None
 
     def select_rows(self, index: torch.Tensor, stored: int) -> None:

@@ -18,7 +18,7 @@ import torch
 import flexicache_hf.dense as dense
 from flexicache_hf import FlexiCache
 from flexicache_hf.bench.generate.cli import llama8b_config
-from flexicache_hf.bench.generate.run import prefill_in_chunks
+from flexicache_hf import prefill_in_chunks
 from flexicache_hf.head_profile import resolve_profile
 
 ap = argparse.ArgumentParser()

@@ -2,12 +2,12 @@
 ``python -m flexicache_hf.bench.generate --help``; the manual is ``docs/benchmarks/bench-generate.md``.
 
 Modules: ``cli`` (flags, model, ``main``), ``rows`` (row names), ``clock`` (the step clock and its summary),
-``run`` (one row's calls), ``device`` (memory, counters and clean-up between rows), ``trace`` (profiler traces),
-``search`` (the largest batch) and ``report`` (ratios, table, figure).
+``sampler`` (a stack sampler of the prefill's thread), ``run`` (one row's calls; a prompt's chunks through
+:func:`flexicache_hf.prefill_in_chunks`), ``device`` (memory, counters and clean-up between rows), ``trace``
+(profiler traces), ``search`` (the largest batch) and ``report`` (ratios, table, figure).
 """
 
 from .cli import main
 from .device import cudagraph_recordings
-from .run import prefill_in_chunks
 
-__all__ = ["cudagraph_recordings", "main", "prefill_in_chunks"]
+__all__ = ["cudagraph_recordings", "main"]

@@ -12,7 +12,8 @@ import warnings
 
 import torch
 
-from ...hf_compat import forward_cache_kwarg, generate_cache_kwarg
+from ...chunked_prefill import prefill_in_chunks
+from ...hf_compat import generate_cache_kwarg
 from .clock import StepClock, summarise, summarise_assisted
 from .sampler import top_functions, top_lines
 from .device import (HostLimitError, TritonCompiles, compile_phases, cudagraph_recordings, dynamo_counts,
@@ -140,23 +141,6 @@ def generate_once(model, ids, row: str, args, new: int, *, profile=None, stop_af
                    cache_is_compileable=bool(cache.is_compileable), **cache.commit_seconds(),
                    config=dataclasses.asdict(cache.config), settings_source=cache.settings_source)
     return res, cache, out
-
-
-def prefill_in_chunks(model, ids: torch.Tensor, cache, chunk: int) -> None:
-    """``--static-prefill-chunk`` / ``--prefill-chunk``: fill an empty ``cache`` with every prompt token but the
-    last, ``chunk`` tokens per eager forward; ``generate`` then prefills the last token itself and decodes as
-    usual (compiled, for a static cache).
-
-    Not ``generate(prefill_chunk_size=...)``: for a compileable cache ``generate`` compiles the chunks too, and on
-    the H200 image (torch 2.11, transformers 5.17) that compiled chunked prefill of a ``StaticCache`` failed at
-    16 × 30k, once with "accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run" and
-    once with a segmentation fault (``docs/benchmarks/generate.md``).  Prompts are unpadded here."""
-    end = ids.shape[1] - 1
-    with torch.no_grad():
-        for start in range(0, end, chunk):
-            stop = min(start + chunk, end)
-            model(input_ids=ids[:, start:stop], attention_mask=torch.ones_like(ids[:, :stop]),
-                  **{forward_cache_kwarg(model): cache}, use_cache=True, logits_to_keep=1)
 
 
 def profile_decode(model, ids, row, args, profile) -> dict:
