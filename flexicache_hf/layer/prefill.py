@@ -79,7 +79,7 @@ def check_token_padding(layer, mask2d: torch.Tensor | None) -> None:
             "must exceed the longest left padding)")
 
 
-def observe_chunk(layer, keys: torch.Tensor, start: int, padding: tuple[torch.Tensor, bool]) -> None:
+def observe_chunk(layer, keys: torch.Tensor, start: int, padding: tuple[torch.Tensor, bool, bool]) -> None:
     """Take the chunk's left padding (:func:`check_padding`) and fold its keys into the MinMax cache.  The
     kernels' ``valid_lo`` is a storage position: the first ``origin`` positions count as padding."""
     s = layer.storage
