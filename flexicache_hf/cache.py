@@ -205,14 +205,11 @@ class FlexiCache(CacheAccounting, Cache):
             if handle.cache is not self or handle.start + handle.keys.shape[2] != layer.seq_len:
                 raise CacheStateError(f"a stale FlexiCache handle reached layer {idx}'s attention")
             self.guard.begin(idx, "attend")
-            if decode and idx == 0:
-                layer.check_token_padding(mask2d)  # (every layer's mask is layer 0's)
-            lead = None if decode else layer.check_padding(handle, mask2d)
+            lead = layer.check_padding(handle, mask2d, decode, first=idx == 0)  # (every layer's mask is layer 0's)
         except Exception as e:
             self.refused(handle, e)
             raise
         if decode:
-            layer.storage.open_padding = False  # (layer 0 saw its token is real)
             out = layer.attend_token(query, scaling)
         else:
             layer.observe_chunk(handle, lead)

@@ -156,19 +156,20 @@ class FlexiCacheLayer(CacheLayerMixin):
     # ---- compute ------------------------------------------------------------------------------------------
     def attend_token(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """A decode step's attention ``[B, 1, Hq, D]`` for ``query [B, Hq, 1, D]`` (eager)."""
+        self.storage.open_padding = False  # (its token is real: the forward's first layer checked)
         return decode.attend_token(self, query[:, :, 0], scaling, self.state.plan)[:, None]
 
     def graph_attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """:meth:`attend_token` as ``torch.compile`` traces it (the step planned on the device only)."""
         return decode.attend_token(self, query[:, :, 0], scaling, GRAPH_PLAN)[:, None]
 
-    def check_padding(self, handle, mask2d: torch.Tensor | None):
-        """Each row's left padding from a chunk's 2D mask; refuses right padding or a changed padding."""
+    def check_padding(self, handle, mask2d: torch.Tensor | None, decode: bool = False, first: bool = True):
+        """A chunk: each row's left padding from its 2D mask; refuses right padding or a changed padding.  A decode
+        step (None): at the forward's ``first`` layer, refuses a token that would add left padding
+        (:func:`~.prefill.check_token_padding`)."""
+        if decode:
+            return prefill.check_token_padding(self, mask2d) if first else None
         return prefill.check_padding(self, handle.start, mask2d)
-
-    def check_token_padding(self, mask2d: torch.Tensor | None) -> None:
-        """Refuses a one-token forward that would add left padding (:func:`~.prefill.check_token_padding`)."""
-        prefill.check_token_padding(self, mask2d)
 
     def observe_chunk(self, handle, lead) -> None:
         prefill.observe_chunk(self, handle.keys.detach(), handle.start, lead)
