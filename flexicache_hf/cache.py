@@ -180,9 +180,9 @@ class FlexiCache(CacheAccounting, Cache):
         layer = self.layers[layer_idx]
         if not layer.is_initialized or key_states.shape[2] != 1:
             raise CacheStateError(
-                "a compiled FlexiCache forward serves single-token decode steps of a cache filled by an eager prompt "
-                "forward (generate does exactly this); run prompts eagerly (assisted decoding verifies drafts in "
-                "multi-token forwards: generate(..., disable_compile=True) with a sized FlexiCache)"
+                "a compiled FlexiCache forward serves one-token decode steps of a cache filled eagerly (generate does "
+                "so); a long prompt in chunks: flexicache_hf.prefill_in_chunks, not prefill_chunk_size, which compiles "
+                "them; multi-token drafts (assisted decoding): generate(..., disable_compile=True)"
             )
         if layer_idx == 0:
             for state in self.states.values():
@@ -282,8 +282,8 @@ class FlexiCache(CacheAccounting, Cache):
         return super().get_mask_sizes(query_length, layer_idx)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        if torch.compiler.is_compiling():  # the device count: reading the host flag would guard on it
-            return self.layers[layer_idx].device_length()
+        if torch.compiler.is_compiling() and self.layers[layer_idx].is_initialized:
+            return self.layers[layer_idx].device_length()  # the device count: reading the host flag would guard on it
         self.ensure_usable()
         return super().get_seq_length(layer_idx)
 
