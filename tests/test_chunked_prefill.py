@@ -110,3 +110,17 @@ def test_a_one_token_forward_that_would_add_left_padding_is_refused_and_loses_no
     with pytest.raises(ValueError, match="cannot add left padding"):
         fc.generate(ids, attention_mask=mask, past_key_values=FlexiCache(HeadProfile.random(cfg, 0.5), **FULL),
                     max_new_tokens=2, do_sample=False, pad_token_id=0, disable_compile=True, prefill_chunk_size=1)
+
+
+@pytest.mark.parametrize("kind,heads,kv", [("mistral", 6, 2), ("qwen2", 8, 2)])
+def test_other_supported_families_filled_in_chunks_decode_as_dense(kind, heads, kv):
+    from conftest import tiny_config, twin_models
+
+    cfg = tiny_config(kind, heads=heads, kv_heads=kv, layers=2)
+    fc, dense = twin_models(cfg)
+    ids = torch.randint(2, 90, (2, 40), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    cache = FlexiCache(HeadProfile.random(cfg, 0.25, seed=2), **FULL)
+    prefill_in_chunks(fc, ids, cache, 8, attention_mask=mask)
+    assert torch.equal(generate(fc, ids, mask, cache), generate(dense, ids, mask, DynamicCache()))
