@@ -120,11 +120,11 @@ def _paged_mask(query, handle: PagedKV, attention_mask, dropout: float, kwargs: 
     decode = query.shape[2] == 1 and handle.start > 0
     if decode and attention_mask is not None and attention_mask.dim() == 4:
         # generate's static-shape mask of a cache that may be graphed (see FlexiCacheLayer.get_mask_sizes): a
-        # decode step reads each row's left padding from the prompt, so the mask adds nothing but whether the new
-        # token is padding, which its row over the keys held and itself says (a view; read only where a row holds
-        # nothing but padding so far, layer.prefill.check_token_padding)
-        attention_mask = (attention_mask[:, 0, -1, : handle.start + 1] if attention_mask.dtype == torch.bool
-                          else None)
+        # decode step reads each row's left padding from the prompt, so the mask adds nothing but, at the forward's
+        # first layer, whether the new token is padding, which its row over the keys held and itself says (a view;
+        # read only where a row holds nothing but padding so far, layer.prefill.check_token_padding)
+        first = handle.layer_idx == 0 and attention_mask.dtype == torch.bool
+        attention_mask = attention_mask[:, 0, -1, : handle.start + 1] if first else None
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError(
             "FlexiCache takes causal attention with a 2D padding mask only (the 'flexicache' mask function makes "

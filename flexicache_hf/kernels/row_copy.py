@@ -146,10 +146,11 @@ class RowCopier:
 
     def copy_block(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``dst.copy_(src)`` for two contiguous tensors of the same bytes, one on the device, one host memory (a run
-        of whole pages of the page-major tier, read back whole: a follow-up prompt chunk's prefix); asynchronous.
-        Pinned memory goes through ``cuMemcpyAsync``, the range cut at page-aligned host addresses where it crosses
-        a registration (:meth:`_copy_flat`): a few calls for a prefix of any batch, where :meth:`copy_rows` makes one
-        2D copy per (row, head), each cut again at every registration it crosses."""
+        of whole pages of the page-major tier and its staging on the device: a follow-up prompt chunk's prefix read
+        back, a chunk's whole pages written); asynchronous.  Pinned memory goes through ``cuMemcpyAsync``
+        (:meth:`_copy_flat`), the range cut at OS pages where it crosses a registration (:func:`split_at_pages`): a
+        few calls whatever the batch, where :meth:`copy_rows` makes one 2D copy per (row, head), each cut again at
+        every registration it crosses."""
         if not (dst.is_contiguous() and src.is_contiguous()):
             raise ValueError("copy_block needs contiguous tensors")
         device = _pinned_pair(dst, src, "copy_block")
