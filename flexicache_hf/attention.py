@@ -30,7 +30,7 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 
 from .dense import dense_attention
 from .handle import PagedKV, UnsupportedModelError
-from .layer import FlexiCacheLayer
+from .graph_step import GraphStep
 
 NAME = "flexicache"
 
@@ -78,8 +78,8 @@ def flexicache_attention(module: torch.nn.Module, query: torch.Tensor, key, valu
     """transformers attention function: ``query [B, Hq, T, D]`` -> ``([B, T, Hq, D], None)``."""
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    if isinstance(key, FlexiCacheLayer):  # a decode step inside torch.compile (FlexiCache.update's graph path)
-        return key.graph_attend(query, scaling), None
+    if isinstance(key, GraphStep):  # a decode step inside torch.compile (FlexiCache.update's graph path)
+        return key.attend(query, scaling), None
     if isinstance(key, PagedKV):
         try:
             return _attend_paged(module, query, key, attention_mask, scaling, dropout, kwargs), None

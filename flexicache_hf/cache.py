@@ -24,6 +24,7 @@ from transformers.cache_utils import Cache
 from .block_keeper import BLOCKS
 from .config import FlexiCacheConfig
 from .crop import crop, undo_refused
+from .graph_step import GraphStep, register
 from .handle import CacheStateError, ForwardGuard, PagedKV
 from .head_profile import HeadProfile, resolve_profile
 from .kernels import build_ahead
@@ -165,6 +166,7 @@ class FlexiCache(CacheAccounting, Cache):
         layer.grow(start + T, self.host_bytes() - layer.host_bytes() if layer.grows(start + T) else 0)
         self.guard.begin(layer_idx, "update", empty=start == 0)  # validated: from here on storage changes
         if layer_idx == 0:  # plan the step once, for every layer
+            register(self)  # the compiled steps' op finds this cache by its schedule (graph_step.py)
             self.before = {key: state.mirror() for key, state in self.states.items()}  # (undo_refused)
             for state in self.states.values():
                 state.begin_eager_step() if T == 1 and start > 0 else state.add_chunk(T)
@@ -174,9 +176,10 @@ class FlexiCache(CacheAccounting, Cache):
         return handle, handle
 
     def _graph_update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
-        """A decode step's update as ``torch.compile`` traces it: layer 0 advances the schedule on the device, every
-        layer appends its token.  The prompt (and any later chunk) runs eagerly through :meth:`update`, which
-        allocates everything at its final address.  Returns the layer itself, which the attention function knows."""
+        """A decode step's update as ``torch.compile`` traces it: the host mirror marked behind (layer 0); the op the
+        attention function runs plans the step on the device and appends the token.  The prompt (and any later chunk) runs eagerly through :meth:`update`, which
+        allocates everything at its final address.  Returns a :class:`~flexicache_hf.graph_step.GraphStep`, which the
+        attention function runs as one op (:mod:`flexicache_hf.graph_step`)."""
         layer = self.layers[layer_idx]
         if not layer.is_initialized or key_states.shape[2] != 1:
             raise CacheStateError(
@@ -186,10 +189,9 @@ class FlexiCache(CacheAccounting, Cache):
             )
         if layer_idx == 0:
             for state in self.states.values():
-                state.advance()
                 state.stale = True  # the host mirror is behind from here on (applied after each compiled call)
-        layer.graph_store(key_states, value_states)
-        return layer, layer
+        handle = GraphStep(layer_idx, key_states, value_states, layer.state.length)  # the op plans and stores
+        return handle, handle
 
     def attend(self, handle: PagedKV, query: torch.Tensor, mask2d: torch.Tensor | None, scaling: float,
                model_config=None) -> torch.Tensor:

@@ -91,7 +91,7 @@ class CopyStream:
 
     def hand_off(self) -> None:
         """Make the compute stream wait for every copy issued so far (no host synchronisation)."""
-        if self.cuda and not torch.compiler.is_compiling():
+        if self.cuda and not in_graph():
             torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
 
     def keep_alive(self, *tensors: torch.Tensor) -> None:
@@ -377,10 +377,16 @@ class SlotTable:
                                 self.pool.table_shape[1], NULL_PAGE, when)
 
 
+def in_graph() -> bool:
+    """Whether a CUDA step is being traced by torch.compile or captured in a CUDA graph (the compiled step's op runs
+    eagerly while its graph is captured): its copies then stay on the capturing stream, ordered with its kernels."""
+    return torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing()
+
+
 def copy_context(stream: CopyStream):
-    """``with`` block running tier copies on the side stream (a no-op context on CPU, and while a decode step is
-    being captured: a graph's copies are ordered on its own stream)."""
-    return stream if stream.cuda and not torch.compiler.is_compiling() else contextlib.nullcontext()
+    """``with`` block running tier copies on the side stream (a no-op context on CPU, and inside a graph: a graph's
+    copies are ordered on its own stream)."""
+    return stream if stream.cuda and not in_graph() else contextlib.nullcontext()
 
 
 def load_promoted(ops: KernelOps, pool: PagePool, host: HostTier, pages: torch.Tensor, phys: torch.Tensor,

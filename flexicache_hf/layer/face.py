@@ -143,7 +143,7 @@ class FlexiCacheLayer(CacheLayerMixin):
         return offloaded
 
     def graph_store(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """A decode token's :meth:`store` as ``torch.compile`` traces it (device state only)."""
+        """A decode token's :meth:`store` inside a compiled step (device state only)."""
         decode.append_token(self, key_states, value_states, GRAPH_PLAN)
 
     def catch_up(self) -> None:
@@ -160,8 +160,9 @@ class FlexiCacheLayer(CacheLayerMixin):
         return decode.attend_token(self, query[:, :, 0], scaling, self.state.plan)[:, None]
 
     def graph_attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """:meth:`attend_token` as ``torch.compile`` traces it (the step planned on the device only)."""
-        return decode.attend_token(self, query[:, :, 0], scaling, GRAPH_PLAN)[:, None]
+        """:meth:`attend_token` inside a compiled step (the step planned on the device only): ``query [B, Hq, D]``
+        -> ``[B, Hq, D]``."""
+        return decode.attend_token(self, query, scaling, GRAPH_PLAN)
 
     def check_padding(self, handle, mask2d: torch.Tensor | None, decode: bool = False, first: bool = True):
         """A chunk: each row's left padding from its 2D mask; refuses right padding or a changed padding.  A decode
