@@ -176,10 +176,9 @@ class FlexiCache(CacheAccounting, Cache):
         return handle, handle
 
     def _graph_update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
-        """A decode step's update as ``torch.compile`` traces it: the host mirror marked behind (layer 0); the op the
-        attention function runs plans the step on the device and appends the token.  The prompt (and any later chunk) runs eagerly through :meth:`update`, which
-        allocates everything at its final address.  Returns a :class:`~flexicache_hf.graph_step.GraphStep`, which the
-        attention function runs as one op (:mod:`flexicache_hf.graph_step`)."""
+        """A decode step's update as ``torch.compile`` traces it: the host mirror marked behind (layer 0), and a
+        :class:`~flexicache_hf.graph_step.GraphStep` returned, whose op (run by the attention function) plans the step
+        and stores the token.  Prompts and later chunks run eagerly (:meth:`update`) and allocate everything."""
         layer = self.layers[layer_idx]
         if not layer.is_initialized or key_states.shape[2] != 1:
             raise CacheStateError(

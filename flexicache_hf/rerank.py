@@ -15,6 +15,8 @@ import torch
 from .kernels import KernelOps, reference
 from .pages import index_tensor
 
+FAR = 1 << 40  # an offset past every page a cache can hold (attend_list)
+
 
 @dataclass(frozen=True)
 class RerankEvent:
@@ -84,9 +86,9 @@ class Reranker:
         self._indices = self._index_block(device)
         # One scoring call for every head unless both kinds exist and score differently.
         self.split_scoring = (self.stable_scoring != self.unstable_scoring and 0 < len(unstable) < num_kv_heads)
-        # [is_stable (H) | unstable_active (Hu): all true, they re-rank every step]
-        self._flags = index_tensor([h not in set(unstable) for h in range(num_kv_heads)] + [True] * len(unstable),
-                                   device, torch.bool)
+        # [is_stable (H) | unstable_active (Hu): all true, they re-rank every step | is_unstable (H)]
+        stable = [h not in set(unstable) for h in range(num_kv_heads)]
+        self._flags = index_tensor(stable + [True] * len(unstable) + [not s for s in stable], device, torch.bool)
         # Selected logical pages per head (ascending, -1 padded); rows of stable heads change only when due.
         self.selected = torch.full((batch, num_kv_heads, self.width), -1, dtype=torch.long, device=device)
         self.reranks = torch.zeros(num_kv_heads, dtype=torch.long, device=device)  # per-head re-rank count
@@ -98,9 +100,12 @@ class Reranker:
     # every input costs the compiled call host time each step (guards, AOT's and cudagraph trees' wrappers: ~2 us on
     # the H200 host, run 32c), where slicing a traced tensor costs nothing.
     def _index_block(self, device: torch.device) -> torch.Tensor:
-        """``[stable heads | unstable heads | every head | 1 .. max_recent]`` (int64)."""
-        return index_tensor([*self._stable_host, *sorted(self.unstable_host), *range(self.num_heads),
-                             *range(1, self.max_recent + 1)], device)
+        """``[stable heads | unstable heads | every head | 1 .. max_recent | per head: 1 .. max_recent, or FAR for an
+        unstable head]`` (int64)."""
+        recent = [*range(1, self.max_recent + 1)]
+        per_head = [o if h not in self.unstable_host else FAR for h in range(self.num_heads) for o in recent]
+        return index_tensor([*self._stable_host, *sorted(self.unstable_host), *range(self.num_heads), *recent,
+                             *per_head], device)
 
     @property
     def stable_heads(self) -> torch.Tensor:
@@ -117,7 +122,13 @@ class Reranker:
     @property
     def recent_offsets(self) -> torch.Tensor:
         """``[max_recent]`` pages after the anchor a stable head attends between re-ranks: 1 .. max_recent."""
-        return self._indices[2 * self.num_heads:]
+        return self._indices[2 * self.num_heads:2 * self.num_heads + self.max_recent]
+
+    @property
+    def head_offsets(self) -> torch.Tensor:
+        """``[H, max_recent]``: :attr:`recent_offsets` for a stable head, ``FAR`` (past every page) for an unstable
+        one, which attends its fresh top-K only."""
+        return self._indices[2 * self.num_heads + self.max_recent:].view(self.num_heads, self.max_recent)
 
     @property
     def is_stable(self) -> torch.Tensor:
@@ -126,7 +137,11 @@ class Reranker:
     @property
     def unstable_active(self) -> torch.Tensor:
         """All true: the unstable heads re-rank every step (the select's ``active`` for them)."""
-        return self._flags[self.num_heads:]
+        return self._flags[self.num_heads:2 * self.num_heads - self.num_stable]
+
+    @property
+    def is_unstable(self) -> torch.Tensor:
+        return self._flags[2 * self.num_heads - self.num_stable:]
 
     def buffers(self) -> list[torch.Tensor]:
         return [self._indices, self._flags, self.selected, self.reranks, self.first_page]
@@ -162,7 +177,7 @@ class Reranker:
         ``num_pages`` of the heads due; ``None`` without ``with_scores`` where each kind of head has its own
         rule); ``scale`` is the attention's softmax scale (``group_score="mass"``, ``"exact"``).  ``keys``: the
         layer's ``(k_pool, page_table, valid_lo, seq_len)``, which heads ranked ``"exact"`` score with."""
-        active = ~self.is_stable | due
+        active = self.is_unstable | due
         if not self.split_scoring:
             scores = self._scores(ops, query, kmin, kmax, self.all_heads, num_pages, active, scale,
                                   self.unstable_scoring if self.num_stable == 0 else self.stable_scoring, keys)
@@ -240,9 +255,9 @@ class Reranker:
         if previous is not None:
             sel = torch.where((self.is_stable[:, None] & late)[None], previous, sel)
         B, H, _ = sel.shape
-        recent = anchor + self.recent_offsets  # [max_recent]
-        ok = (recent <= newest)[None, :] & self.is_stable[:, None] & ~due  # [H, max_recent]
-        extra = torch.where(ok, recent, -1).expand(B, H, self.max_recent)
+        recent = anchor + self.head_offsets  # [H, max_recent]: an unstable head's lie past every page
+        limit = torch.where(due, -1, newest)  # [1]: none where the stable heads re-ranked at this step
+        extra = torch.where(recent <= limit, recent, -1).expand(B, H, self.max_recent)
         return torch.cat([sel, extra], dim=-1)
 
     def select_rows(self, index: torch.Tensor) -> None:

@@ -127,7 +127,7 @@ class HostTier:
                  device: torch.device, limit_bytes: int | None, copies: CopyStream, ops: KernelOps):
         self.heads, self.page_size, self.head_dim = heads, page_size, head_dim
         self.dtype, self.compute_device = dtype, device
-        self.batch = batch
+        self.batch = batch  # (with the row index page_index adds)
         self.limit_bytes = limit_bytes  # the cache's host_memory_limit, over every layer's tier
         self.copies, self.ops = copies, ops  # the layer's copy stream (every tier copy runs there)
         self.pinned = device.type == "cuda"
@@ -247,11 +247,18 @@ class HostTier:
 
     def page_index(self, pages: torch.Tensor | int) -> torch.Tensor:
         """Flat host page index ``(p * B + b) * heads + h`` of logical ``pages`` ``[B, heads, n]`` (int64), or of
-        one page of every row and head (an int or a ``[1]`` tensor; then ``[B, heads, 1]``).  The ``b * heads + h``
-        part is made here, not held: in a compiled step it fuses into the sum, where a held tensor would be one more
-        graph input (host time every step)."""
-        rows = torch.arange(self.batch * self.heads, device=self.compute_device).view(self.batch, self.heads, 1)
-        return pages * (self.batch * self.heads) + rows
+        one page of every row and head (an int or a ``[1]`` tensor; then ``[B, heads, 1]``)."""
+        return pages * (self.batch * self.heads) + self._rows
+
+    @property
+    def batch(self) -> int:
+        return self._batch
+
+    @batch.setter
+    def batch(self, rows: int) -> None:
+        """Rows held; with them ``b * heads + h`` ``[B, heads, 1]``, :meth:`page_index`'s part that never changes."""
+        self._batch = rows
+        self._rows = torch.arange(rows * self.heads, device=self.compute_device).view(rows, self.heads, 1)
 
     def write_tokens(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
         """Queue the copy of a prompt chunk ``[B, heads, T, D]`` (positions ``start..``) to the host tier, span by

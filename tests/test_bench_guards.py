@@ -18,5 +18,6 @@ def test_both_rows_measure_a_call_around_their_graph_and_its_guards():
         assert r["us_per_call"] > 0 and r["graph_inputs"] > 0 and r["graph_nodes"] > 0
         assert r["tensor_match"] > 0 and r["guard_lines"] > r["tensor_match"]
         assert 0 < r["guard_check_us"] < r["us_per_call"] * 5  # the frame's locals found: its guards pass
-    # the cache's tensors are graph inputs: FlexiCache reads more of them a layer than StaticCache's two
-    assert rows["flexicache"]["graph_inputs"] > rows["static"]["graph_inputs"]
+    # StaticCache's two tensors a layer are graph inputs; FlexiCache's graph reads one tensor of the whole cache (its
+    # schedule's length: a layer's step is one op, graph_step.py)
+    assert rows["flexicache"]["graph_inputs"] < rows["static"]["graph_inputs"]
