@@ -14,8 +14,10 @@ no Python.  Its copies go on the capturing stream (:func:`~flexicache_hf.tiers.i
 What the op reads and writes it reaches through its cache, not its arguments, and it declares no mutation: the
 cache's tensors never enter the compiled graph (nothing there copies, clones or reorders them), and the ops of a
 forward are ordered by what flows between them (a layer's query comes from the layer before).  Traced code reads
-one cache tensor, the schedule's ``length`` (``get_seq_length``, for positions when a caller gives none), and only
-for the first layer's query, before the first op.  The op is handed that ``length``, read only, to find its cache:
+one cache tensor, the schedule's ``length`` (``get_seq_length``, for positions when a caller gives none), and reads
+it through :func:`seq_length`, an op too: inductor would otherwise inline the read into every layer's rotary
+embedding, after the first layer's op advanced it (a test caught that).  The op is handed ``length``, read only, to
+find its cache:
 the one table here, filled by each cache's eager forward (a cache's prompt always runs eagerly, before any compiled
 step), is an address book of live schedules, nothing configurable.
 """
@@ -78,3 +80,19 @@ def graph_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, leng
 @graph_step.register_fake
 def _(query, key, value, length, layer_idx, scaling):
     return torch.empty_like(query)
+
+
+def seq_length(state) -> torch.Tensor:
+    """Tokens held (0-d) by the cache of schedule ``state``, read at this point of a compiled forward: before its
+    first ``graph_step`` advances them."""
+    return _held(state.length, state.origin)
+
+
+@custom_op("flexicache::held", mutates_args=())
+def _held(length: torch.Tensor, origin: torch.Tensor) -> torch.Tensor:
+    return length[0] - origin[0]
+
+
+@_held.register_fake
+def _(length, origin):
+    return length.new_empty(())

@@ -305,3 +305,26 @@ def test_inductor_compiles_a_layer_s_cache_work_as_one_op(setup):
     assert torch.equal(out, eager)
     assert cache.stats == eager_cache.stats and cache.stats.promoted_pages > 0
 
+
+
+def test_a_compiled_forward_that_reads_the_length_for_its_positions_equals_eager(setup):
+    """A compiled decode forward called without ``position_ids`` reads the cache's length for its positions (the one
+    cache tensor in the graph; the op advances it out of the graph's sight): inductor still reads it before the
+    first layer's op, so every step's logits are the eager forward's."""
+    cfg, fc, _, ids, _ = setup
+    ids = ids[:1]
+    prof = HeadProfile.from_unstable(cfg, [(0, 1)])
+    make = lambda: FlexiCache(prof, page_size=4, token_budget=12, rerank_interval=3,  # noqa: E731
+                              max_cache_len=ids.shape[1] + 12)
+    step = torch.compile(fc.forward, backend="inductor", fullgraph=True)
+    logits = {}
+    for name, forward in (("eager", fc.forward), ("compiled", step)):
+        cache, tok, out = make(), ids, []
+        with torch.no_grad():
+            for i in range(10):
+                logit = (fc if i == 0 else forward)(input_ids=tok, past_key_values=cache).logits[:, -1]
+                tok = logit.argmax(-1, keepdim=True)
+                out.append(logit)
+        logits[name] = torch.stack(out)
+    torch._dynamo.reset()
+    assert torch.allclose(logits["compiled"], logits["eager"], atol=1e-4, rtol=1e-4)
