@@ -311,6 +311,10 @@ def _load() -> None:
     except ImportError:  # older Triton
         from triton.compiler.compiler import triton_key
     triton_key()
+    try:  # Triton 3.6 imports its gluon package at a kernel's first launch (0.15 s of a first prefill, run 39)
+        importlib.import_module("triton.experimental.gluon")
+    except ImportError:
+        pass
     try:
         cuda_core()
     except ImportError:  # no cuda-python: the copies fall back to torch indexing
