@@ -96,9 +96,7 @@ class Reranker:
         self.first_page = torch.zeros(batch, dtype=torch.long, device=device)
 
     # The layer's constant head sets and the recent window's offsets live in two tensors (the int64 and the bool
-    # ones), read through the views below: a compiled decode step takes each tensor attribute as a graph input, and
-    # every input costs the compiled call host time each step (guards, AOT's and cudagraph trees' wrappers: ~2 us on
-    # the H200 host, run 32c), where slicing a traced tensor costs nothing.
+    # ones), read through the views below.
     def _index_block(self, device: torch.device) -> torch.Tensor:
         """``[stable heads | unstable heads | every head | 1 .. max_recent | per head: 1 .. max_recent, or FAR for an
         unstable head]`` (int64)."""

@@ -397,17 +397,13 @@ def copy_context(stream: CopyStream):
 
 
 def load_promoted(ops: KernelOps, pool: PagePool, host: HostTier, pages: torch.Tensor, phys: torch.Tensor,
-                  behind: torch.Tensor | None = None, after: torch.Tensor | None = None) -> None:
-    """Fill the slots ``phys`` with host pages ``pages`` (both ``[B, heads, K]``, -1 = none); ``behind`` (the
-    schedule's load token): on the device's load stream, behind the compute (``KernelOps.load_pages_behind``), and
-    ordered after ``after`` (the attention output of the layer whose slots these are)."""
+                  behind: bool = False) -> None:
+    """Fill the slots ``phys`` with host pages ``pages`` (both ``[B, heads, K]``, -1 = none); ``behind``: on the
+    device's load stream, behind the compute that follows (``KernelOps.load_pages_behind``)."""
     src = host.page_index(pages).reshape(-1)
     dst = phys.reshape(-1)
     args = (pool.k, pool.v, dst, host.device_pages("k"), host.device_pages("v"), src)
-    if behind is None:
-        ops.copy_kv_pages(*args)
-    else:
-        ops.load_pages_behind(*args, behind, after)
+    (ops.load_pages_behind if behind else ops.copy_kv_pages)(*args)
 
 
 def seat_from_chunk(pool: PagePool, pages: torch.Tensor, phys: torch.Tensor, keys: torch.Tensor,

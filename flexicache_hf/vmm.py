@@ -12,7 +12,7 @@ out page-major (outermost dimension: pages) grow at their end, so the committed 
   and mapped; its device address checked equal to its host address), chunk by chunk.  Without a device it is plain
   pageable memory (the CPU path), grown the same way.
 
-Both are viewed as torch tensors of the reserved size (``tensor``): a compiled step sees one shape and one address for
+Both are viewed as torch tensors of the reserved size (``tensor``): a captured step sees one shape and one address for
 the cache's whole life.  Only the committed prefix may be touched: on the device anything past it is an illegal
 address; on the host it is pageable memory nobody counted.  The cache maps one ``chunk_bytes`` ahead of what the next
 steps can write, from a host-side hook before each decode step, so a replayed graph never reaches unmapped memory.

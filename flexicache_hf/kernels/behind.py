@@ -9,8 +9,7 @@ forward). Inside a captured decode step the same calls fork the load stream off 
 graph holds the copies as a parallel branch.
 
 The index lists are cloned on the compute stream before the fork: the clones come from the caching allocator and
-are recorded on the load stream, so neither an eager caller nor a compiled step's buffer reuse can hand their memory
-to another tensor before the copies have read them.
+are recorded on the load stream, so no later allocation can take their memory before the copies have read them.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from ..load_stream import join_load_stream, load_stream
 
 
 def load_pages_behind(dst_k: torch.Tensor, dst_v: torch.Tensor, dst_index: torch.Tensor, src_k: torch.Tensor,
-                      src_v: torch.Tensor, src_index: torch.Tensor, token: torch.Tensor, after: torch.Tensor) -> None:
+                      src_v: torch.Tensor, src_index: torch.Tensor) -> None:
     """Same contract as :func:`reference.load_pages_behind`: the copies queued on the load stream."""
     from .uva_copy import copy_kv_pages
 
@@ -35,6 +34,6 @@ def load_pages_behind(dst_k: torch.Tensor, dst_v: torch.Tensor, dst_index: torch
     si.record_stream(side)
 
 
-def join_loads(token: torch.Tensor) -> None:
+def join_loads(device: torch.device) -> None:
     """Same contract as :func:`reference.join_loads`: the compute stream waits for the load stream."""
-    join_load_stream(token.device)
+    join_load_stream(device)

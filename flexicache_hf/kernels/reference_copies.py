@@ -29,14 +29,14 @@ def copy_kv_pages(dst_k: torch.Tensor, dst_v: torch.Tensor, dst_index: torch.Ten
 
 
 def load_pages_behind(dst_k: torch.Tensor, dst_v: torch.Tensor, dst_index: torch.Tensor, src_k: torch.Tensor,
-                      src_v: torch.Tensor, src_index: torch.Tensor, token: torch.Tensor, after: torch.Tensor) -> None:
-    """:func:`copy_kv_pages` behind the compute (CUDA: on the load stream :func:`join_loads` joins; ``token`` orders
-    the two, ``after``, not read, puts it after the attention that read the slots it writes).  Here: at once."""
+                      src_v: torch.Tensor, src_index: torch.Tensor) -> None:
+    """:func:`copy_kv_pages` behind the compute that follows (CUDA: on the device's load stream, which
+    :func:`join_loads` joins).  Here: at once."""
     copy_kv_pages(dst_k, dst_v, dst_index, src_k, src_v, src_index)
 
 
-def join_loads(token: torch.Tensor) -> None:
-    """The compute waits for every :func:`load_pages_behind` of ``token``'s device (here: none is pending)."""
+def join_loads(device: torch.device) -> None:
+    """The compute waits for every :func:`load_pages_behind` on ``device`` (here: none is pending)."""
 
 
 def copy_rows(

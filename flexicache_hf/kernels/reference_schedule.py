@@ -2,12 +2,8 @@
 :mod:`.schedule`): the step's plan, made once per step, and each layer's part of it.
 
 Their state is one-element tensors (:class:`~flexicache_hf.layer.schedule.DecodeState` owns them and says what each
-means).  They are kernels, not tensor code traced into the step, because a compiled step would otherwise inline
-the plan's arithmetic into every consumer: each custom op reading the page count or the length got a small
-kernel of its own recomputing it from the length and the origin (and each layer's re-rank flag from the step
-index), and inductor's fusion search pairs every node reading one buffer with up to 64 others, so those copies,
-a dozen or more per layer all reading the same two scalars, made most of the FlexiCache step's compile.  As ops
-they write the scalars once, and their readers read them.
+means), written once a step (a layer) by one launch each, where the same arithmetic as tensor code is a dozen tiny
+kernels; every kernel of the step then reads them.
 """
 
 from __future__ import annotations

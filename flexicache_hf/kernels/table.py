@@ -1,26 +1,15 @@
-"""The kernel table: every kernel registered once, with its reference, its CUDA twin and its custom op.
+"""The kernel table: every kernel registered once, with its reference and its CUDA twin.
 
 A row (:class:`Kernel`) names
 
 * the kernel's plain PyTorch reference (:mod:`.reference`: the CPU path, the test oracle, and the signature and
   contract every backend keeps);
 * its CUDA twin: the attribute of the same name in a module of this package (a Triton kernel, or a cuda-python
-  copy), imported on first use on CUDA only, so the CPU path never needs Triton or cuda-python;
-* for a kernel of the decode step, the schema of its ``torch.library`` custom op ``flexicache::<name>`` (the
-  arguments it mutates marked ``(aN!)``) and its fake (the op's outputs from its inputs' shapes).
+  copy), imported on first use on CUDA only, so the CPU path never needs Triton or cuda-python.
 
-Why the ops: Dynamo cannot trace into a Triton launcher's host code (block-size choices, cached SM counts), a
-cuda-python launch or the reference's data-dependent shapes, and must not: the decode step it captures in a CUDA
-graph has to replay the launches exactly.  Each decode-step kernel is therefore one opaque op with its fake and
-its mutated arguments declared; the op runs the CUDA twin on CUDA tensors and the reference on others (which
-lets CPU tests compile a decode step too).  The host tier reaches the ops as a CUDA tensor aliasing its pinned
-memory (:meth:`~flexicache_hf.tiers.HostTier.device_pages`): cudagraph trees only replay buffers that live on
-the device, and the alias is one, at a fixed address.  The prompt-side kernels (MinMax over a chunk, row copies)
-and the one-pool page copy (benchmarks; the cache copies K and V together) are never traced and have no op.
-
-A backend is a :class:`KernelOps`, one field per row: eagerly a field calls its backend's kernel directly (an
-op's dispatch costs more than some of these kernels); while torch.compile traces, a decode-step kernel's field
-calls the op.  :func:`ops_for` is the one place that picks a backend.
+A backend is a :class:`KernelOps`, one field per row, each the backend's kernel itself; :func:`ops_for` is the one
+place that picks a backend.  No kernel is traced by torch.compile: a compiled decode step runs a layer's kernels
+inside one opaque op (:mod:`flexicache_hf.graph_step`), eagerly, while its CUDA graph is captured.
 """
 
 from __future__ import annotations
@@ -29,13 +18,11 @@ import dataclasses
 import functools
 import importlib
 import importlib.util
-import inspect
 import os
 import threading
 from typing import Any, Callable
 
 import torch
-from torch.library import custom_op
 
 from ..cuda_context import cuda_core
 from . import reference, reference_schedule
@@ -50,98 +37,37 @@ class Kernel:
     name: str
     reference: Callable[..., Any]
     cuda: str  # the module of its CUDA twin (attribute ``name``)
-    schema: str | None = None  # its op's arguments (the reference's names) and returns; None: eager only, no op
-    fake: Callable[..., Any] | None = None  # its op's outputs from the inputs' shapes (None: the op returns nothing)
-    prepare: Callable[[dict], None] | None = None  # a traced call's bound arguments made to fit the schema
-    result: str | None = None  # the argument a traced call returns (where the reference returns it, the op nothing)
-
-
-def _scores_like(query, kmin, kmax, heads, *_):
-    return query.new_empty((query.shape[0], heads.shape[0], kmin.shape[2]), dtype=torch.float32)
-
-
-def _lse_like(query, k_pool, page_table, heads, *_):
-    group = query.shape[1] // page_table.shape[1]
-    return query.new_empty((query.shape[0], heads.shape[0], group, page_table.shape[2]), dtype=torch.float32)
-
-
-def _mass_like(scores, *_):
-    return scores.new_empty((scores.shape[0], scores.shape[1], scores.shape[3]), dtype=torch.float32)
-
-
-def _attention_like(query, *_):
-    return torch.empty_like(query)
-
-
-def _promoted_like(slot_page, wanted, *_):
-    return wanted.new_empty(wanted.shape), wanted.new_empty(wanted.shape)  # contiguous, as the kernels return them
-
-
-def _default_scale(args: dict) -> None:
-    """The op takes a float: ``scale=None`` becomes the reference's default, ``D ** -0.5``."""
-    if args["scale"] is None:
-        args["scale"] = args["query"].shape[-1] ** -0.5
 
 
 KERNELS = (
     Kernel("minmax_update", reference.minmax_update, "minmax"),  # a prompt chunk's keys
-    Kernel("append_token", reference.append_token, "append",
-           "(Tensor(a0!) k_pool, Tensor(a1!) v_pool, Tensor(a2!) kmin, Tensor(a3!) kmax, Tensor key, Tensor value, "
-           "Tensor rows, Tensor page) -> ()"),
-    Kernel("page_scores", reference.page_scores, "scores",
-           "(Tensor query, Tensor kmin, Tensor kmax, Tensor heads, Tensor num_pages, Tensor active, str combine, "
-           "float scale, float shrink) -> Tensor", _scores_like, prepare=_default_scale),
-    Kernel("page_lse", reference.page_lse, "page_lse",
-           "(Tensor query, Tensor k_pool, Tensor page_table, Tensor heads, Tensor num_pages, Tensor valid_lo, "
-           "Tensor seq_len, float scale, Tensor? candidates=None) -> Tensor", _lse_like),
+    Kernel("append_token", reference.append_token, "append"),
+    Kernel("page_scores", reference.page_scores, "scores"),
+    Kernel("page_lse", reference.page_lse, "page_lse"),
     # The "mass" combine of a group's per-query-head scores (page_scores' bounds, page_lse's exact log-sum-exps):
     # one launch where the reference is ~8 ops over [B, h, G, P], and nothing read on inactive rows.
-    Kernel("group_mass", reference.group_mass, "mass",
-           "(Tensor scores, float scale, Tensor? num_pages, Tensor? active) -> Tensor", _mass_like),
+    Kernel("group_mass", reference.group_mass, "mass"),
     # A Triton radix select rather than torch.topk + sort + padding (the reference): the earlier in-register select
     # beat it at every benchmark shape on the H200, 7-24 us vs 38-94 us for 8-512 rows of 625-1875 pages
     # (docs/benchmarks/decode.md, rerank.json).  The select walks only each row's live pages, rows of any width.
-    Kernel("select_pages", reference.select_pages, "select",
-           "(Tensor(a0!) scores, SymInt k, Tensor num_pages, Tensor active, Tensor(a4!) out, Tensor? heads=None, "
-           "float keep_margin=0.0, Tensor? keep=None) -> ()", result="out"),
-    Kernel("sparse_decode", reference.sparse_decode, "sparse_decode",
-           "(Tensor query, Tensor k_pool, Tensor v_pool, Tensor page_table, Tensor pages, Tensor valid_lo, "
-           "Tensor seq_len, float scale) -> Tensor", _attention_like),
+    Kernel("select_pages", reference.select_pages, "select"),
+    Kernel("sparse_decode", reference.sparse_decode, "sparse_decode"),
     # Tier copies: the NVRTC kernel of .uva_copy (pinned host memory in place through UVA), which falls back to
     # torch indexing where cuda-python is missing or a tensor has no device address (pageable host memory).
     Kernel("copy_pages", reference.copy_pages, "uva_copy"),
-    Kernel("copy_kv_pages", reference.copy_kv_pages, "uva_copy",  # both pools of a layer in one launch
-           "(Tensor(a0!) dst_k, Tensor(a1!) dst_v, Tensor dst_index, Tensor src_k, Tensor src_v, "
-           "Tensor src_index) -> ()"),
+    Kernel("copy_kv_pages", reference.copy_kv_pages, "uva_copy"),  # both pools of a layer in one launch
     # The same copies behind the compute (FlexiCacheConfig.overlap_loads): on the device's load stream, joined at
-    # the end of the forward; ``token`` (the schedule's) orders the loads and their join in a traced step.  The pools
-    # it writes are not declared mutated: declared, a compiled step may hand the op a copy of a pool and copy it back
-    # right after the op returns, while the load stream still writes the copy (inductor's code did so).  Nothing
-    # later in the step reads the layer's pools (the next step reads them after the join); the op takes the layer's
-    # attention output (``after``, not read) so that it follows the attention that read the slots it overwrites.
-    # Its index lists alone do not order it: inductor may run the reseat that makes them before the attention (on a
-    # copy of the page table), and then did run the load before it too (NOTES, 2026-12-05).
-    Kernel("load_pages_behind", reference.load_pages_behind, "behind",
-           "(Tensor dst_k, Tensor dst_v, Tensor dst_index, Tensor src_k, Tensor src_v, Tensor src_index, "
-           "Tensor(a6!) token, Tensor after) -> ()"),
-    Kernel("join_loads", reference.join_loads, "behind", "(Tensor(a0!) token) -> ()"),
+    # the end of the forward.
+    Kernel("load_pages_behind", reference.load_pages_behind, "behind"),
+    Kernel("join_loads", reference.join_loads, "behind"),
     Kernel("copy_rows", reference.copy_rows, "row_copy"),  # a prompt's offload: a few cuMemcpy2DAsync per span
     Kernel("copy_block", reference.copy_block, "row_copy"),  # whole pages staged: a few cuMemcpyAsync per block
-    Kernel("reseat_slots", reference.reseat_slots, "slots",
-           "(Tensor(a0!) slot_page, Tensor wanted, Tensor slot_phys, Tensor(a3!) table_buffer, Tensor slot_heads, "
-           "SymInt num_heads, SymInt null_page, Tensor? when) -> (Tensor, Tensor)", _promoted_like),
-    Kernel("place_page", reference.place_page, "slots",
-           "(Tensor(a0!) slot_page, Tensor slot_phys, Tensor(a2!) table_buffer, Tensor slot_heads, "
-           "SymInt num_heads, Tensor page, Tensor(a6!) tail, Tensor? when) -> ()"),
-    # The decode schedule's scalars (reference_schedule.py says why these are ops): the step's plan, once per step,
-    # and each layer's re-rank flag and anchor.
-    Kernel("plan_step", reference_schedule.plan_step, "schedule",
-           "(Tensor(a0!) length, Tensor(a1!) step, Tensor(a2!) current, Tensor(a3!) pos, Tensor(a4!) page, "
-           "Tensor(a5!) offset, Tensor(a6!) num_pages, Tensor(a7!) new_page, Tensor(a8!) page_full, "
-           "Tensor(a9!) overflow, Tensor origin, int page_size, int capacity) -> ()"),
-    Kernel("begin_layer", reference_schedule.begin_layer, "schedule",
-           "(Tensor(a0!) due, Tensor(a1!) anchor, Tensor(a2!) late, Tensor(a3!) since, Tensor current, "
-           "Tensor phase, Tensor rerank_all, Tensor page, int interval, bool overlap) -> ()"),
+    Kernel("reseat_slots", reference.reseat_slots, "slots"),
+    Kernel("place_page", reference.place_page, "slots"),
+    # The decode schedule's scalars (reference_schedule.py): the step's plan, once per step, and each layer's
+    # re-rank flag and anchor.
+    Kernel("plan_step", reference_schedule.plan_step, "schedule"),
+    Kernel("begin_layer", reference_schedule.begin_layer, "schedule"),
 )
 TABLE = {k.name: k for k in KERNELS}
 
@@ -150,77 +76,6 @@ TABLE = {k.name: k for k in KERNELS}
 def cuda_twin(name: str) -> Callable[..., Any]:
     """Kernel ``name``'s CUDA implementation (the first call imports its module: Triton, cuda-python)."""
     return getattr(importlib.import_module(f".{TABLE[name].cuda}", __package__), name)
-
-
-def _positional(implementation: Callable[[], Callable[..., Any]], n: int, keywords: tuple[str, ...],
-                returns: bool) -> Callable[..., Any]:
-    """``implementation()`` called the way an op calls its kernel: every argument positional, in schema order (the
-    reference's first ``n`` parameters are positional, the rest ``keywords``)."""
-
-    def run(*args):
-        out = implementation()(*args[:n], **dict(zip(keywords, args[n:])))
-        return out if returns else None
-
-    return run
-
-
-def _no_output(*_):
-    return None
-
-
-class _Op:
-    """A decode-step kernel's custom op, and how a :class:`KernelOps` call reaches it while torch.compile traces."""
-
-    def __init__(self, kernel: Kernel):
-        qualname = f"flexicache::{kernel.name}"
-        schema = torch._C.parse_schema(qualname + kernel.schema)
-        params = list(inspect.signature(kernel.reference).parameters.values())
-        self.names = tuple(a.name for a in schema.arguments)
-        if self.names != tuple(p.name for p in params):
-            raise TypeError(f"{qualname}: the schema's arguments {self.names} are not its reference's parameters")
-        self.params = tuple((p.name, p.default) for p in params)
-        self.floats = tuple(a.name for a in schema.arguments if str(a.type) == "float")
-        self.prepare, self.result = kernel.prepare, kernel.result
-        n = sum(p.kind is not p.KEYWORD_ONLY for p in params)
-        call = functools.partial(_positional, n=n, keywords=self.names[n:], returns=bool(schema.returns))
-        mutated = tuple(a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write)
-        # The reference on every device; CUDA tensors (the dispatcher's pick when any argument is one) take the twin.
-        self.op = custom_op(qualname, call(lambda: kernel.reference), mutates_args=mutated, schema=kernel.schema)
-        self.op.register_kernel("cuda")(call(lambda: cuda_twin(kernel.name)))
-        self.op.register_fake(kernel.fake or _no_output)
-
-    def trace(self, args: tuple, kwargs: dict):
-        """A call with the reference's signature, as traced: its arguments bound as the reference binds them
-        (defaults included) and fitted to the schema, through the op."""
-        bound = dict(zip(self.names, args))
-        for name, default in self.params[len(args):]:
-            bound[name] = kwargs.get(name, default)
-        if self.prepare is not None:
-            self.prepare(bound)
-        for name in self.floats:
-            bound[name] = float(bound[name])
-        out = self.op(*bound.values())  # in schema order: the reference's
-        return out if self.result is None else bound[self.result]
-
-
-OPS = {k.name: _Op(k) for k in KERNELS if k.schema is not None}
-
-
-def _entry(kernel: Kernel, impl: Callable[..., Any]) -> Callable[..., Any]:
-    """``impl`` (a kernel with the reference's signature) as a backend's field: called directly, or, for a kernel
-    with an op, the op while torch.compile traces (``.eager`` is ``impl``)."""
-    if kernel.schema is None:
-        return impl
-    name = kernel.name
-
-    def call(*args, **kwargs):
-        if torch.compiler.is_compiling():
-            return OPS[name].trace(args, kwargs)
-        return impl(*args, **kwargs)
-
-    call.__name__, call.__qualname__, call.__doc__ = name, name, impl.__doc__
-    call.__signature__, call.eager = inspect.signature(impl), impl
-    return call
 
 
 def _by_name(ops):
@@ -234,7 +89,7 @@ KernelOps = dataclasses.make_dataclass(
 
 
 def _backend(name: str, implementation: Callable[[Kernel], Callable[..., Any]]) -> KernelOps:
-    return KernelOps(name, **{k.name: _entry(k, implementation(k)) for k in KERNELS})
+    return KernelOps(name, **{k.name: implementation(k) for k in KERNELS})
 
 
 REFERENCE_OPS = _backend(REFERENCE, lambda k: k.reference)

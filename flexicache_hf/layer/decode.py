@@ -78,8 +78,8 @@ def attend_token(layer, q: torch.Tensor, scaling: float, plan: StepPlan) -> torc
     if lagged and s.offloads:  # after the attention read the slots: reseat them, load behind the compute
         pages, phys = s.slots.reseat(s.ops, rr.selected[:, s.slot_heads], None if stable_late else late)
         s.copies.hand_off()  # eagerly: offloads queued on the layer's copy stream come before (host pages they write)
-        load_promoted(s.ops, s.pool, s.host, pages, phys, behind=st.load_token, after=out)
+        load_promoted(s.ops, s.pool, s.host, pages, phys, behind=True)
         st.counters.add("promoted_pages", (pages >= 0).sum())
     if late is not None and layer.layer_idx == layer.spec.model.num_layers - 1:
-        s.ops.join_loads(st.load_token)  # the forward's last layer: every load behind it is in place
+        s.ops.join_loads(s.device)  # the forward's last layer: every load behind it is in place
     return out

@@ -79,12 +79,9 @@ class DecodeState:
     now, on the steps ``s > 0`` with ``s ≡ phase (mod R)``, and on step 0 after a follow-up chunk) and ``anchor``
     (the newest page when they last re-ranked). With ``overlap`` (``FlexiCacheConfig.overlap_loads``) the steps
     ``s > 0`` on phase are ``late`` instead (the heads attend their previous selection, then re-rank:
-    :mod:`~flexicache_hf.layer.decode`), ``since`` keeps the anchor their attention extends from, and ``load_token``
-    orders the step's page loads behind the compute and their join. After a first prompt chunk the prompt's last
+    :mod:`~flexicache_hf.layer.decode`), and ``since`` keeps the anchor their attention extends from. After a first prompt chunk the prompt's last
     query was their first re-rank (each layer seats its top-K and sets its anchor then), so step 0 re-ranks none of
-    them. Each layer's scalars, its phase included, are tensors of their own rather than elements of one
-    ``[num_layers]`` tensor: a compiled step then reads them through pointers, so every layer's generated kernels
-    are the same code (compiled once), not one variant per layer's constant index.
+    them. Each layer's scalars, its phase included, are tensors of their own, which its kernels take.
     """
 
     def __init__(self, device: torch.device, page_size: int, rerank_interval: int, capacity: int | None,
@@ -107,7 +104,6 @@ class DecodeState:
         # begin_layer's kernel takes both lists whether or not it writes them (only with overlap)
         self.late = [flag() for _ in self.phases_host]
         self.since = [long() for _ in self.phases_host]
-        self.load_token = long()
         self.host_length = 0  # the host's mirror of `length` and `step` (valid unless `stale`)
         self.host_origin = 0  # the host's mirror of `origin` (set by the first chunk, never by a step)
         self.host_step = 0
@@ -127,7 +123,7 @@ class DecodeState:
 
     def buffers(self) -> list[torch.Tensor]:
         """Every device tensor a decode step reads (fixed addresses for graph capture)."""
-        return self.tensors() + self.phases + [self.load_token]
+        return self.tensors() + self.phases
 
     def due_of(self, layer: int) -> torch.Tensor:
         """``[1]`` bool: ``layer``'s stable heads re-rank at this step (valid after :meth:`begin_layer`)."""

@@ -444,7 +444,7 @@ def test_copy_kv_pages_both_pools_in_one_launch(dtype):
     entries; exactly two copy_pages calls' result, through the kernel (not the torch fallback)."""
     from flexicache_hf.kernels import TRITON_OPS
 
-    copier = TRITON_OPS.copy_kv_pages.eager.__self__
+    copier = TRITON_OPS.copy_kv_pages.__self__
     ps, D, n_host, n_dev, m = 16, 128, 900, 300, 200
     g = torch.Generator().manual_seed(1)
     hk, hv = (torch.randn(n_host, ps, D, generator=g).to(dtype).pin_memory() for _ in range(2))
@@ -542,7 +542,7 @@ def test_copy_through_the_host_tiers_cuda_view_takes_the_host_grid(page, share):
     from flexicache_hf.kernels.uva_copy import host_resident, plan_launches
     from flexicache_hf.tiers import cuda_alias
 
-    copier = TRITON_OPS.copy_kv_pages.eager.__self__
+    copier = TRITON_OPS.copy_kv_pages.__self__
     g = torch.Generator().manual_seed(page)
     n_host, n_dev, m = 40_000, 12_000, 10_240
     hk, hv = (torch.randn(n_host, page, 128, generator=g).to(torch.bfloat16).pin_memory() for _ in range(2))
