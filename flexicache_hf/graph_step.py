@@ -36,9 +36,15 @@ _CACHES: dict[int, weakref.ref] = {}  # a schedule's `length` address -> its cac
 
 
 def register(cache) -> None:
-    """Make ``cache`` the owner of its schedules' ``length`` tensors (at its eager forwards)."""
+    """Make ``cache`` the owner of its schedules' ``length`` tensors (at its eager forwards; a new entry first drops
+    those of caches gone since)."""
     for state in cache.states.values():
-        _CACHES[state.length.data_ptr()] = weakref.ref(cache)
+        key = state.length.data_ptr()
+        ref = _CACHES.get(key)
+        if ref is None or ref() is not cache:
+            for gone in [k for k, r in _CACHES.items() if r() is None]:
+                del _CACHES[gone]
+            _CACHES[key] = weakref.ref(cache)
 
 
 @dataclass(frozen=True)

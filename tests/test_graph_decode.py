@@ -328,3 +328,31 @@ def test_a_compiled_forward_that_reads_the_length_for_its_positions_equals_eager
         logits[name] = torch.stack(out)
     torch._dynamo.reset()
     assert torch.allclose(logits["compiled"], logits["eager"], atol=1e-4, rtol=1e-4)
+
+
+def test_the_op_finds_each_cache_by_its_schedule_and_forgets_caches_gone(setup):
+    """``graph_step.register``: each eager forward makes its cache the owner of its schedule's ``length``; a cache
+    that is gone leaves no entry once another registers; an unknown ``length`` is refused, not guessed."""
+    from flexicache_hf import graph_step
+    from flexicache_hf.handle import CacheStateError
+
+    cfg, fc, _, ids, mask = setup
+    prof = HeadProfile.from_unstable(cfg, [(0, 1)])
+    caches = [FlexiCache(prof, page_size=4, token_budget=12, max_cache_len=37 + 4) for _ in range(2)]
+    for cache in caches:
+        run(fc, ids, mask, cache, 2, compiled=False)
+        key = cache.layers[0].state.length.data_ptr()
+        assert graph_step._CACHES[key]() is cache
+    del cache
+    caches.pop()
+    gc.collect()  # gone (its storage kept for the next cache of its shape, which takes its schedule too)
+    assert any(r() is None for r in graph_step._CACHES.values())
+    third = FlexiCache(prof, page_size=4, token_budget=12, max_cache_len=37 + 4)
+    run(fc, ids, mask, third, 2, compiled=False)
+    assert all(r() is not None for r in graph_step._CACHES.values())
+    assert graph_step._CACHES[third.layers[0].state.length.data_ptr()]() is third
+    stray = torch.zeros(1, dtype=torch.long)
+    q = torch.zeros(2, cfg.num_attention_heads, cfg.head_dim)
+    kv = torch.zeros(2, cfg.num_key_value_heads, 1, cfg.head_dim)
+    with pytest.raises(CacheStateError, match="schedule it does not know"):
+        graph_step.graph_step(q, kv, kv, stray, 0, 1.0)
