@@ -17,9 +17,8 @@ forward are ordered by what flows between them (a layer's query comes from the l
 one cache tensor, the schedule's ``length`` (``get_seq_length``, for positions when a caller gives none), and reads
 it through :func:`seq_length`, an op too: inductor would otherwise inline the read into every layer's rotary
 embedding, after the first layer's op advanced it (a test caught that).  The op is handed ``length``, read only, to
-find its cache:
-the one table here, filled by each cache's eager forward (a cache's prompt always runs eagerly, before any compiled
-step), is an address book of live schedules, nothing configurable.
+find its cache in the one table here, which each cache's eager forward fills (a cache's prompt always runs eagerly,
+before any compiled step): an address book of live schedules, nothing configurable.
 """
 
 from __future__ import annotations
@@ -49,8 +48,8 @@ def register(cache) -> None:
 
 @dataclass(frozen=True)
 class GraphStep:
-    """What a traced decode step's ``update`` hands the attention function (as both key and value): the layer, its
-    new states ``[B, H, 1, D]`` and its schedule's ``length``."""
+    """What a traced decode step's ``update`` hands the attention function (as both key and value): the layer's
+    index, its new states ``[B, H, 1, D]`` and its schedule's ``length``."""
 
     layer_idx: int
     key: torch.Tensor
