@@ -238,8 +238,7 @@ class HostTier:
 
     def device_pages(self, which: str) -> torch.Tensor:
         """:meth:`pages` as the copy kernels address it: on CUDA a *CUDA* tensor aliasing the pinned pages
-        (UVA; what a captured graph and ``torch.compile`` take as a fixed-address device buffer), else the
-        host tensor itself."""
+        (UVA, at a fixed address), else the host tensor itself."""
         if not self.pinned or self.k is None:
             return self.pages(which)
         t = self.k_dev if which == "k" else self.v_dev
