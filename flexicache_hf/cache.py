@@ -189,7 +189,7 @@ class FlexiCache(CacheAccounting, Cache):
         if layer_idx == 0:
             for state in self.states.values():
                 state.stale = True  # the host mirror is behind from here on (applied after each compiled call)
-        handle = GraphStep(layer_idx, key_states, value_states, layer.state.length)  # the op plans and stores
+        handle = GraphStep(layer_idx, key_states, value_states, layer.state.length, layer.storage.pool.k)
         return handle, handle
 
     def attend(self, handle: PagedKV, query: torch.Tensor, mask2d: torch.Tensor | None, scaling: float,

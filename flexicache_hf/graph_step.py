@@ -11,9 +11,10 @@ the device's schedule, no host synchronisation), run each time the compiled code
 warm-up and capture, where every kernel and copy it launches is recorded; replays then run the recorded kernels and
 no Python.  Its copies go on the capturing stream (:func:`~flexicache_hf.tiers.in_graph`), as a traced step's did.
 
-What the op reads and writes it reaches through its cache, not its arguments, and it declares no mutation: the
-cache's tensors never enter the compiled graph (nothing there copies, clones or reorders them), and the ops of a
-forward are ordered by what flows between them (a layer's query comes from the layer before).  Traced code reads
+What the op reads and writes it reaches through its cache, not its arguments, and it declares no mutation: nothing
+in the compiled graph copies, clones or reorders the cache's tensors, and the ops of a forward are ordered by what
+flows between them (a layer's query comes from the layer before).  Of the layer's storage the graph takes only the K
+pool (see :func:`graph_step`).  Traced code reads
 one cache tensor, the schedule's ``length`` (``get_seq_length``, for positions when a caller gives none), and reads
 it through :func:`seq_length`, an op too: inductor would otherwise inline the read into every layer's rotary
 embedding, after the first layer's op advanced it (a test caught that).  The op is handed ``length``, read only, to
@@ -49,31 +50,40 @@ def register(cache) -> None:
 @dataclass(frozen=True)
 class GraphStep:
     """What a traced decode step's ``update`` hands the attention function (as both key and value): the layer's
-    index, its new states ``[B, H, 1, D]`` and its schedule's ``length``."""
+    index, its new states ``[B, H, 1, D]``, its schedule's ``length`` and its K pool (``pool``: the layer's storage
+    as a graph input, see :func:`graph_step`)."""
 
     layer_idx: int
     key: torch.Tensor
     value: torch.Tensor
     length: torch.Tensor
+    pool: torch.Tensor
 
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """The layer's decode step: ``query [B, Hq, 1, D]`` -> ``[B, 1, Hq, D]``."""
-        out = graph_step(query[:, :, 0], self.key, self.value, self.length, self.layer_idx, float(scaling))
+        out = graph_step(query[:, :, 0], self.key, self.value, self.length, self.pool, self.layer_idx,
+                         float(scaling))
         return out[:, None]
 
 
 @custom_op("flexicache::graph_step", mutates_args=())
-def graph_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, length: torch.Tensor, layer_idx: int,
-               scaling: float) -> torch.Tensor:
+def graph_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, length: torch.Tensor, pool: torch.Tensor,
+               layer_idx: int, scaling: float) -> torch.Tensor:
     """Layer ``layer_idx``'s decode step (layer 0 first plans it for every layer): ``query [B, Hq, D]`` ->
-    ``[B, Hq, D]``."""
+    ``[B, Hq, D]``.
+
+    ``pool`` (the layer's K pool, not read here) makes the layer's storage an input of the compiled graph: a
+    recorded CUDA graph holds the addresses the body used, and cudagraph trees record anew when a static input's
+    address changes.  Every change of a layer's buffers after its first forward (row selection, a new batch) makes
+    a new pool, marked static as the old one was, so a graph never replays onto buffers that are gone."""
     ref = _CACHES.get(length.data_ptr())
     cache = ref() if ref is not None else None
     layer = cache.layers[layer_idx] if cache is not None else None
-    if layer is None or layer.state.length.data_ptr() != length.data_ptr():
+    if (layer is None or layer.state.length.data_ptr() != length.data_ptr()
+            or layer.storage.pool.k.data_ptr() != pool.data_ptr()):
         raise CacheStateError(
-            "a compiled FlexiCache step was handed a schedule it does not know (a copy of the cache's `length`, or "
-            "a cache that never ran a forward eagerly); run the prompt eagerly first (generate does), or decode "
+            "a compiled FlexiCache step was handed a schedule or storage it does not know (a copy of the cache's "
+            "`length` or pool, or a cache that never ran a forward eagerly); run the prompt eagerly first (generate does), or decode "
             "with generate(..., disable_compile=True)")
     if layer_idx == 0:
         for state in cache.states.values():
@@ -83,7 +93,7 @@ def graph_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, leng
 
 
 @graph_step.register_fake
-def _(query, key, value, length, layer_idx, scaling):
+def _(query, key, value, length, pool, layer_idx, scaling):
     return torch.empty_like(query)
 
 

@@ -354,5 +354,39 @@ def test_the_op_finds_each_cache_by_its_schedule_and_forgets_caches_gone(setup):
     stray = torch.zeros(1, dtype=torch.long)
     q = torch.zeros(2, cfg.num_attention_heads, cfg.head_dim)
     kv = torch.zeros(2, cfg.num_key_value_heads, 1, cfg.head_dim)
-    with pytest.raises(CacheStateError, match="schedule it does not know"):
-        graph_step.graph_step(q, kv, kv, stray, 0, 1.0)
+    with pytest.raises(CacheStateError, match="schedule or storage it does not know"):
+        graph_step.graph_step(q, kv, kv, stray, third.layers[0].storage.pool.k, 0, 1.0)
+    with pytest.raises(CacheStateError, match="schedule or storage it does not know"):  # another layer's pool
+        graph_step.graph_step(q, kv, kv, third.layers[0].state.length, third.layers[1].storage.pool.k, 0, 1.0)
+
+
+def test_a_compiled_step_takes_each_layer_s_pool_and_new_rows_are_static_again(setup):
+    """Each layer's op takes the layer's K pool as a graph input (a recorded CUDA graph holds the addresses its op
+    used; cudagraph trees record anew when a static input moves), and row selection, which makes new buffers,
+    marks them static as the first ones were."""
+    from flexicache_hf.layer import FlexiCacheLayer
+
+    cfg, fc, _, ids, mask = setup
+    prof = HeadProfile.from_unstable(cfg, [(0, 1)])
+    cache = FlexiCache(prof, page_size=4, token_budget=12, max_cache_len=37 + 8)
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(node for node in gm.graph.nodes if node.target is torch.ops.flexicache.graph_step.default)
+        return gm.forward
+
+    cc = compile_config()
+    cc.backend = backend
+    kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, attention_mask=mask, pad_token_id=0,
+              compile_config=cc)
+    torch._dynamo.reset()
+    fc.generate(ids, past_key_values=cache, **kw)
+    torch._dynamo.reset()
+    assert len(seen) == cfg.num_hidden_layers
+    pools = [node.args[4] for node in seen]  # the graph's inputs: each layer's own pool
+    assert all(p.op == "placeholder" for p in pools) and len({p.name for p in pools}) == cfg.num_hidden_layers
+    marked = []
+    with pytest.MonkeyPatch.context() as monkey:
+        monkey.setattr(FlexiCacheLayer, "mark_static", lambda layer: marked.append(layer.storage.pool.k.data_ptr()))
+        cache.batch_select_indices(torch.tensor([1, 0]))
+    assert marked == [layer.storage.pool.k.data_ptr() for layer in cache.layers]

@@ -266,6 +266,8 @@ class FlexiCacheLayer(CacheLayerMixin):
         index = index.to(self.storage.device).long()
         self.storage.select_rows(index, self.stored_end)
         self.reranker.select_rows(index)
+        if self.spec.max_tokens is not None or self.storage.reserved is not None:
+            self.mark_static()  # new buffers: a recorded decode graph records anew rather than replay onto the old
 
     # ---- accounting -----------------------------------------------------------------------------------------
     def device_bytes(self) -> int:

@@ -121,3 +121,27 @@ def test_smollm2_graph_equals_eager(smollm2_fp32, budget):
     ids, mask = left_padded(torch.cat([prompt, prompt.roll(-333, 1)]), tok.pad_token_id or 0, 200)
     tokens = 512 if budget == "quarter" else 4096  # a quarter of the prompt, or every page
     check_graph_equals_eager(model, ids, mask, resolve_profile("SmolLM2-135M-Instruct"), tokens, 128)
+
+
+def test_rows_reordered_between_compiled_calls_record_anew():
+    """Rows reordered (same batch size) between two compiled generate calls on one cache: the reorder makes new
+    buffers, so the recorded CUDA graphs (which hold the old addresses inside each layer's op) must not replay;
+    the pools are static graph inputs, so cudagraph trees record anew, and the second call's tokens are the eager
+    path's."""
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                      pad_token_id=0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="flexicache").cuda().eval()
+    ids = torch.randint(2, 90, (2, 300), device="cuda")
+    mask = torch.ones_like(ids)
+    prof = HeadProfile.from_unstable(cfg, [(0, 1)])
+    outs = []
+    for compiled in (False, True):
+        cache = FlexiCache(prof, token_budget=64, page_size=16, max_cache_len=300 + 40 + 20 + 40,
+                           model_config=model.config)
+        first = generate(model, ids, mask, cache, 40, compiled)
+        cache.batch_select_indices(torch.tensor([1, 0], device="cuda"))
+        turn = torch.cat([first.flip(0), torch.randint(2, 90, (2, 20), device="cuda")], 1)
+        outs.append(generate(model, turn, torch.ones_like(turn), cache, 40, compiled))
+    assert torch.equal(outs[0], outs[1])
