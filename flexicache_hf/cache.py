@@ -24,7 +24,7 @@ from transformers.cache_utils import Cache
 from .block_keeper import BLOCKS
 from .config import FlexiCacheConfig
 from .crop import crop, undo_refused
-from .graph_step import GraphStep, register, seq_length
+from .graph_step import GraphStep, register
 from .handle import CacheStateError, ForwardGuard, PagedKV
 from .head_profile import HeadProfile, resolve_profile
 from .kernels import build_ahead
@@ -284,7 +284,7 @@ class FlexiCache(CacheAccounting, Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         if torch.compiler.is_compiling() and self.layers[layer_idx].is_initialized:
-            return seq_length(self.layers[layer_idx].state)  # the device count (the host's would guard on it)
+            return self.layers[layer_idx].device_length()  # the device count (the host's would guard on it)
         self.ensure_usable()
         return super().get_seq_length(layer_idx)
 

@@ -14,11 +14,10 @@ no Python.  Its copies go on the capturing stream (:func:`~flexicache_hf.tiers.i
 What the op reads and writes it reaches through its cache, not its arguments, and it declares no mutation: nothing
 in the compiled graph copies, clones or reorders the cache's tensors, and the ops of a forward are ordered by what
 flows between them (a layer's query comes from the layer before).  Of the layer's storage the graph takes only the K
-pool (see :func:`graph_step`).  Traced code reads
-one cache tensor, the schedule's ``length`` (``get_seq_length``, for positions when a caller gives none), and reads
-it through :func:`seq_length`, an op too: inductor would otherwise inline the read into every layer's rotary
-embedding, after the first layer's op advanced it (a test caught that).  The op is handed ``length``, read only, to
-find its cache in the one table here, which each cache's eager forward fills (a cache's prompt always runs eagerly,
+pool (see :func:`graph_step`).  Traced code reads one cache tensor, the schedule's ``length`` (``get_seq_length``,
+for positions when a caller gives none), through an op too (``DecodeState.device_length``): inductor would otherwise
+inline the read into every layer's rotary embedding, after the first layer's op advanced it (a test caught that).
+The op is handed ``length``, read only, to find its cache in the one table here, which each cache's eager forward fills (a cache's prompt always runs eagerly,
 before any compiled step): an address book of live schedules, nothing configurable.
 """
 
@@ -83,8 +82,8 @@ def graph_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, leng
             or layer.storage.pool.k.data_ptr() != pool.data_ptr()):
         raise CacheStateError(
             "a compiled FlexiCache step was handed a schedule or storage it does not know (a copy of the cache's "
-            "`length` or pool, or a cache that never ran a forward eagerly); run the prompt eagerly first (generate does), or decode "
-            "with generate(..., disable_compile=True)")
+            "`length` or pool, or a cache that never ran a forward eagerly); run the prompt eagerly first (generate "
+            "does), or decode with generate(..., disable_compile=True)")
     if layer_idx == 0:
         for state in cache.states.values():
             state.advance()
@@ -96,18 +95,3 @@ def graph_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, leng
 def _(query, key, value, length, pool, layer_idx, scaling):
     return torch.empty_like(query)
 
-
-def seq_length(state) -> torch.Tensor:
-    """Tokens held (0-d) by the cache of schedule ``state``, read at this point of a compiled forward: before its
-    first ``graph_step`` advances them."""
-    return _held(state.length, state.origin)
-
-
-@custom_op("flexicache::held", mutates_args=())
-def _held(length: torch.Tensor, origin: torch.Tensor) -> torch.Tensor:
-    return length[0] - origin[0]
-
-
-@_held.register_fake
-def _(length, origin):
-    return length.new_empty(())

@@ -195,7 +195,7 @@ class FlexiCacheLayer(CacheLayerMixin):
 
     def device_length(self) -> torch.Tensor:
         """Tokens held, read on the device (a 0-d tensor: graph replays advance it)."""
-        return self.state.length[0] - self.state.origin[0]
+        return self.state.device_length()
 
     def get_mask_sizes(self, query_length) -> tuple[int, int]:
         if isinstance(query_length, torch.Tensor):  # older transformers pass cache_position

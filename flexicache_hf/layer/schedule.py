@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.library import custom_op
 
 from ..kernels import KernelOps, ops_for
 from ..load_stream import join_load_stream
@@ -124,6 +125,12 @@ class DecodeState:
     def buffers(self) -> list[torch.Tensor]:
         """Every device tensor a decode step reads (fixed addresses for graph capture)."""
         return self.tensors() + self.phases
+
+    def device_length(self) -> torch.Tensor:
+        """Tokens held (0-d), read on the device where this call stands: through an op, so that in a compiled
+        forward inductor cannot move the read into a later kernel, after a step's first layer advanced ``length``
+        (``graph_step.py``)."""
+        return _held(self.length, self.origin)
 
     def due_of(self, layer: int) -> torch.Tensor:
         """``[1]`` bool: ``layer``'s stable heads re-rank at this step (valid after :meth:`begin_layer`)."""
@@ -324,3 +331,13 @@ def state_for_device(states: dict[str, DecodeState], device: torch.device, confi
             state.follow(next(iter(states.values())))
         states[key] = state
     return states[key]
+
+
+@custom_op("flexicache::held", mutates_args=())
+def _held(length: torch.Tensor, origin: torch.Tensor) -> torch.Tensor:
+    return length[0] - origin[0]
+
+
+@_held.register_fake
+def _(length, origin):
+    return length.new_empty(())
