@@ -98,12 +98,12 @@ class Reranker:
     # The layer's constant head sets and the recent window's offsets live in two tensors (the int64 and the bool
     # ones), read through the views below.
     def _index_block(self, device: torch.device) -> torch.Tensor:
-        """``[stable heads | unstable heads | every head | 1 .. max_recent | per head: 1 .. max_recent, or FAR for an
-        unstable head]`` (int64)."""
-        recent = [*range(1, self.max_recent + 1)]
+        """``[stable heads | unstable heads | every head | per head: 1 .. max_recent, or FAR for an unstable head]``
+        (int64)."""
+        recent = range(1, self.max_recent + 1)
         per_head = [o if h not in self.unstable_host else FAR for h in range(self.num_heads) for o in recent]
-        return index_tensor([*self._stable_host, *sorted(self.unstable_host), *range(self.num_heads), *recent,
-                             *per_head], device)
+        return index_tensor([*self._stable_host, *sorted(self.unstable_host), *range(self.num_heads), *per_head],
+                            device)
 
     @property
     def stable_heads(self) -> torch.Tensor:
@@ -118,15 +118,10 @@ class Reranker:
         return self._indices[self.num_heads:2 * self.num_heads]
 
     @property
-    def recent_offsets(self) -> torch.Tensor:
-        """``[max_recent]`` pages after the anchor a stable head attends between re-ranks: 1 .. max_recent."""
-        return self._indices[2 * self.num_heads:2 * self.num_heads + self.max_recent]
-
-    @property
     def head_offsets(self) -> torch.Tensor:
-        """``[H, max_recent]``: :attr:`recent_offsets` for a stable head, ``FAR`` (past every page) for an unstable
-        one, which attends its fresh top-K only."""
-        return self._indices[2 * self.num_heads + self.max_recent:].view(self.num_heads, self.max_recent)
+        """``[H, max_recent]``: for a stable head the pages after its anchor it attends between re-ranks, 1 ..
+        max_recent; ``FAR`` (past every page) for an unstable one, which attends its fresh top-K only."""
+        return self._indices[2 * self.num_heads:].view(self.num_heads, self.max_recent)
 
     @property
     def is_stable(self) -> torch.Tensor:

@@ -384,9 +384,9 @@ class SlotTable:
 
 
 def in_graph() -> bool:
-    """Whether a CUDA step is being traced by torch.compile or captured in a CUDA graph (the compiled step's op runs
-    eagerly while its graph is captured): its copies then stay on the capturing stream, ordered with its kernels."""
-    return torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing()
+    """Whether a CUDA step is being captured in a CUDA graph (a compiled step's op runs its body eagerly then; no
+    tier copy is ever traced): its copies then stay on the capturing stream, ordered with its kernels."""
+    return torch.cuda.is_current_stream_capturing()
 
 
 def copy_context(stream: CopyStream):

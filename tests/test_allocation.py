@@ -160,5 +160,5 @@ def test_a_budget_beyond_the_context_costs_what_one_covering_it_costs(page_size,
     assert huge.device_bytes() == covering.device_bytes()
     for layer in huge.layers:
         pages = layer.page_capacity
-        assert layer.reranker.selected.shape[-1] <= pages and layer.reranker.recent_offsets.numel() <= pages
+        assert layer.reranker.selected.shape[-1] <= pages and layer.reranker.head_offsets.shape[-1] <= pages
         assert layer.reranker.selected.nbytes < 2 ** 16

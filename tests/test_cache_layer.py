@@ -8,7 +8,7 @@ from flexicache_hf import FlexiCache, HeadProfile
 from flexicache_hf.attention import dense_attention
 from flexicache_hf.kernels import reference
 from flexicache_hf.pages import NULL_PAGE
-from flexicache_hf.rerank import SelectionObserver
+from flexicache_hf.rerank import FAR, SelectionObserver
 
 
 class Recorder(SelectionObserver):
@@ -403,9 +403,9 @@ def test_prompt_seats_the_last_querys_top_k_and_the_first_step_loads_nothing():
 
 
 def test_a_layers_step_buffers_are_few_and_never_alias():
-    """A compiled decode step takes each buffer a layer holds as a graph input (each costs host time every step), and
-    two inputs sharing memory make AOT autograd merge them and cudagraph trees skip the graph.  So the reranker's
-    constant head sets live in two tensors, read through views made on use, and no two buffers share storage."""
+    """A layer holds few buffers and no two share storage (a compiled step takes the pool as a graph input, and two
+    inputs sharing memory make AOT autograd merge them and cudagraph trees skip the graph): the reranker's constant
+    head sets and offsets live in two tensors, read through views made on use."""
     cfg = tiny_config("llama", heads=8, kv_heads=4, layers=1, head_dim=8)
     cache = FlexiCache(HeadProfile.from_unstable(cfg, [(0, 1), (0, 3)]), page_size=4, token_budget=8,
                        kernels="reference")
@@ -414,7 +414,8 @@ def test_a_layers_step_buffers_are_few_and_never_alias():
     assert rr.stable_heads.tolist() == [0, 2] and rr.unstable_heads.tolist() == [1, 3]
     assert rr.all_heads.tolist() == [0, 1, 2, 3] and rr.is_stable.tolist() == [True, False, True, False]
     assert rr.unstable_active.tolist() == [True, True]
-    assert rr.recent_offsets.tolist() == list(range(1, rr.max_recent + 1))
+    recent = list(range(1, rr.max_recent + 1))
+    assert rr.head_offsets.tolist() == [recent if h in (0, 2) else [FAR] * rr.max_recent for h in range(4)]
     reranker_buffers = rr.buffers()
     assert len(reranker_buffers) == 5  # the head sets and offsets, the flags, the selection, counts, first pages
     bases = [t.untyped_storage().data_ptr() for t in layer.buffers() if t.numel()]
