@@ -80,9 +80,10 @@ class DecodeState:
     now, on the steps ``s > 0`` with ``s ≡ phase (mod R)``, and on step 0 after a follow-up chunk) and ``anchor``
     (the newest page when they last re-ranked). With ``overlap`` (``FlexiCacheConfig.overlap_loads``) the steps
     ``s > 0`` on phase are ``late`` instead (the heads attend their previous selection, then re-rank:
-    :mod:`~flexicache_hf.layer.decode`), and ``since`` keeps the anchor their attention extends from. After a first prompt chunk the prompt's last
-    query was their first re-rank (each layer seats its top-K and sets its anchor then), so step 0 re-ranks none of
-    them. Each layer's scalars, its phase included, are tensors of their own, which its kernels take.
+    :mod:`~flexicache_hf.layer.decode`), and ``since`` keeps the anchor their attention extends from. After a first
+    prompt chunk the prompt's last query was their first re-rank (each layer seats its top-K and sets its anchor
+    then), so step 0 re-ranks none of them. Each layer's scalars, its phase included, are tensors of their own,
+    which its kernels take.
     """
 
     def __init__(self, device: torch.device, page_size: int, rerank_interval: int, capacity: int | None,

@@ -77,8 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="re-cut the model's shipped profile to its least-stable fraction of heads")
     ap.add_argument("--prefill-profile", action="store_true",
                     help="sample the calling thread's stack through the warm-up call's prefill (the first cache of "
-                         "a compiled row): its top functions by inclusive time in warmup_prefill_profile ([inclusive s, "
-                         "own s, samples, where]), the lines it sat at longest in warmup_prefill_lines")
+                         "a compiled row): its top functions by inclusive time in warmup_prefill_profile "
+                         "([inclusive s, own s, samples, where]), the lines it sat at longest in warmup_prefill_lines")
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="profile N+8 more tokens of the compiled rows (GPU busy fraction, kernels per step)")
     ap.add_argument("--largest-batch", type=int, default=None, metavar="PROMPT_LEN",
