@@ -17,8 +17,9 @@ flows between them (a layer's query comes from the layer before).  Of the layer'
 pool (see :func:`graph_step`).  Traced code reads one cache tensor, the schedule's ``length`` (``get_seq_length``,
 for positions when a caller gives none), through an op too (``DecodeState.device_length``): inductor would otherwise
 inline the read into every layer's rotary embedding, after the first layer's op advanced it (a test caught that).
-The op is handed ``length``, read only, to find its cache in the one table here, which each cache's eager forward fills (a cache's prompt always runs eagerly,
-before any compiled step): an address book of live schedules, nothing configurable.
+The op is handed ``length``, read only, to find its cache in the one table here, which each cache's eager
+forward fills (a cache's prompt always runs eagerly, before any compiled step): an address book of live
+schedules, nothing configurable.
 """
 
 from __future__ import annotations
