@@ -88,3 +88,66 @@ def test_group_mass_compiles_for_sm90_without_spills():
     ptx = ptx_of(_group_mass_kernel, sig, const, num_warps=4, aligned=("s_sb", "s_sh", "s_sg"))
     assert "ld.local" not in ptx and "st.local" not in ptx  # no register spills
     assert "ex2.approx" in ptx  # the softmax's exponentials on the SFU
+
+
+def launch_key(kernel, call, monkeypatch) -> str:
+    """The compiled variant (Triton's specialisation of every argument, for an sm_90 target) that ``call()``'s
+    launch of ``kernel`` would run, found without launching it: the launch is caught at ``kernel.run``."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    binder = create_function_from_signature(kernel.signature, kernel.params, make_backend(GPUTarget("cuda", 90, 32)))
+    keys = []
+
+    def run(*args, grid, warmup, **kwargs):
+        _, specialization, options = binder(*args, **kwargs)
+        keys.append(f"{specialization} {options}")
+
+    monkeypatch.setattr(kernel, "run", run)
+    call()
+    assert len(keys) == 1
+    return keys[0]
+
+
+def test_calls_with_and_without_a_predicate_launch_one_variant(monkeypatch):
+    """A prompt's reseat / page placement (no predicate) and a compiled step's (the layer's flag, a slice of the
+    schedule's flags at any byte) run the same compiled variant: each variant is a compile in a machine's first
+    process (the reseat's sort ~1-2 s of it)."""
+    import torch
+
+    from flexicache_hf.kernels import slots
+
+    B, nT, S, K, H, cap = 2, 3, 40, 32, 4, 64
+    slot_page = torch.full((B, nT, S), -1, dtype=torch.long)
+    slot_phys = torch.arange(B * nT * S, dtype=torch.long).view(B, nT, S)
+    table = torch.zeros(B * H * cap + 1, dtype=torch.int32)
+    heads = torch.tensor([0, 2, 3])
+    wanted = torch.arange(B * nT * K, dtype=torch.long).view(B, nT, K) % cap
+    flags = torch.ones(5, dtype=torch.bool)
+    tail = torch.zeros(B, nT, dtype=torch.long)
+    page = torch.tensor([7])
+    reseat = [launch_key(slots._reseat_kernel, lambda w=w: slots.reseat_slots(
+        slot_page, wanted, slot_phys, table, heads, H, B * H * cap, w), monkeypatch) for w in (None, flags[3:4])]
+    place = [launch_key(slots._place_page_kernel, lambda w=w: slots.place_page(
+        slot_page, slot_phys, table, heads, H, page, tail, w), monkeypatch) for w in (None, flags[1:2])]
+    assert reseat[0] == reseat[1] and place[0] == place[1]
+
+
+def test_flags_at_any_byte_launch_one_variant(monkeypatch):
+    """The row flags of the mass combine and the select (read one scalar at a time) at an aligned or unaligned
+    address: one variant."""
+    import torch
+
+    from flexicache_hf.kernels import mass, select
+
+    scores = torch.randn(2, 3, 4, 64)
+    flags = torch.ones(8, dtype=torch.bool)
+    keys = [launch_key(mass._group_mass_kernel, lambda a=a: mass.group_mass(scores, 0.5, active=a), monkeypatch)
+            for a in (flags[:3], flags[1:4])]
+    assert keys[0] == keys[1]
+    out = torch.full((2, 5, 8), -1, dtype=torch.long)
+    picks = [launch_key(select._select_pages_kernel, lambda a=a, h=h: select.select_pages(
+        scores[:, :, 0].contiguous(), 8, active=a, out=out, heads=h, keep_margin=1.0, keep=a), monkeypatch)
+        for a, h in ((flags[:3], torch.arange(5)[:3]), (flags[1:4], torch.arange(5)[1:4]))]
+    assert picks[0] == picks[1]

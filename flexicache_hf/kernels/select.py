@@ -41,7 +41,9 @@ def _keys(row_ptr, idx, P):
     return key.to(tl.uint32, bitcast=True) ^ 0x80000000, live
 
 
-@triton.jit(do_not_specialize=["K", "h", "H_out", "margin"])
+# Flags and head ids are read one scalar at a time: their addresses' alignment changes no code (no variant of its own).
+@triton.jit(do_not_specialize=["K", "h", "H_out", "margin"],
+            do_not_specialize_on_alignment=["active_ptr", "heads_ptr", "keep_ptr"])
 def _select_pages_kernel(
     scores_ptr,  # [R, >= P] float32 rows of scores (R = B * h); -inf = not selectable
     out_ptr,  # [B, H_out, K] int64 selected pages, ascending, -1 padded (rows of inactive heads left as they are)

@@ -52,6 +52,13 @@ def _check_contiguous(fn: str, **tensors: torch.Tensor) -> None:
             raise ValueError(f"{fn} needs a contiguous {name}")
 
 
+def _predicate(when: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """``when``, or a ``[1]`` True: the kernels read a predicate either way, so a prompt's call (none) and a
+    compiled step's (the layer's re-rank flag) launch one compiled variant, not two (the reseat's sort made each
+    variant ~1-2 s of a machine's first compile)."""
+    return when if when is not None else torch.ones(1, dtype=torch.bool, device=device)
+
+
 def _warps(block: int, per_warp: int) -> int:
     """Warps for a program holding ``block``-long vectors, about ``per_warp`` lanes each (1 to 32)."""
     return min(32, max(1, block // per_warp))
@@ -68,29 +75,25 @@ def _lower_bound(base, v, LOG: tl.constexpr):
     return pos
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["when_ptr"])
 def _reseat_kernel(
     slot_page_ptr,  # [B, nT, S] int64, contiguous (updated)
     wanted_ptr,  # [B, nT, K] int64, with strides
     slot_phys_ptr,  # [B, nT, S] int64, contiguous
     table_ptr,  # [B * H * cap (+ 1)] int32 flat page table (updated)
     heads_ptr,  # [nT] int64 KV head of each slot row
-    when_ptr,  # [1] bool (read only if USE_WHEN)
+    when_ptr,  # [1] bool: the re-rank happens (a True of the wrapper's where the call has no predicate)
     scratch_ptr,  # [B * nT, 2 * BLOCK_K + BLOCK_S] int32, any contents
     pages_ptr, phys_ptr,  # [B, nT, K] int64 outputs, contiguous
     nT, S, K, H, cap, null_page,
     s_wb, s_wt, s_wk,
-    USE_WHEN: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_K: tl.constexpr,
     LOG_K: tl.constexpr,
 ):
     i, b, t = _slot_row(nT)
     k = tl.arange(0, BLOCK_K)
-    on = 1
-    if USE_WHEN:
-        on = tl.load(when_ptr).to(tl.int32)
-    if on == 0:
+    if tl.load(when_ptr).to(tl.int32) == 0:
         # Not this layer's re-rank (a compiled step launches every layer's): nothing moves, nothing to load.
         none = tl.full([BLOCK_K], -1, tl.int64)
         tl.store(pages_ptr + i * K + k, none, mask=k < K)
@@ -169,15 +172,14 @@ def reseat_slots(
     block_s, block_k = pow2(S), pow2(K, 2)
     scratch = torch.empty((B * nT, 2 * block_k + block_s), dtype=torch.int32, device=wanted.device)
     _reseat_kernel[(B * nT,)](
-        slot_page, wanted, slot_phys, table_buffer, heads, pages if when is None else when, scratch, pages, phys,
-        nT, S, K, num_heads, cap, null_page, *wanted.stride(),
-        USE_WHEN=when is not None, BLOCK_S=block_s, BLOCK_K=block_k, LOG_K=block_k.bit_length() - 1,
+        slot_page, wanted, slot_phys, table_buffer, heads, _predicate(when, wanted.device), scratch, pages, phys,
+        nT, S, K, num_heads, cap, null_page, *wanted.stride(), BLOCK_S=block_s, BLOCK_K=block_k, LOG_K=block_k.bit_length() - 1,
         num_warps=_warps(max(block_s, block_k), 128),
     )
     return pages, phys
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["when_ptr"])
 def _place_page_kernel(
     slot_page_ptr,  # [B, nT, S] int64, contiguous (updated)
     slot_phys_ptr,  # [B, nT, S] int64, contiguous
@@ -185,9 +187,8 @@ def _place_page_kernel(
     heads_ptr,  # [nT] int64
     page_ptr,  # [1] int64
     tail_ptr,  # [B, nT] int64, contiguous (updated)
-    when_ptr,  # [1] bool (read only if USE_WHEN)
+    when_ptr,  # [1] bool: place the page (a True of the wrapper's where the call has no predicate)
     nT, S, H, cap,
-    USE_WHEN: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
     i, b, t = _slot_row(nT)
@@ -195,9 +196,7 @@ def _place_page_kernel(
     s_ok = s < S
     sp = tl.load(slot_page_ptr + i * S + s, mask=s_ok, other=0)
     first = tl.min(tl.where(s_ok & (sp < 0), s, BLOCK_S), axis=0)  # the first free slot
-    on = first < S
-    if USE_WHEN:
-        on = on & (tl.load(when_ptr).to(tl.int32) != 0)
+    on = (first < S) & (tl.load(when_ptr).to(tl.int32) != 0)
     page = tl.load(page_ptr)
     phys = tl.load(slot_phys_ptr + i * S + first, mask=on, other=0)
     # Scalars as one-lane vectors: the interpreter takes no scalar masks.
@@ -227,6 +226,6 @@ def place_page(
     cap = (table_buffer.numel() - 1) // (B * num_heads)
     heads = slot_heads.to(device=slot_page.device, dtype=torch.long)
     _place_page_kernel[(B * nT,)](
-        slot_page, slot_phys, table_buffer, heads, page, tail, page if when is None else when,
-        nT, S, num_heads, cap, USE_WHEN=when is not None, BLOCK_S=pow2(S), num_warps=_warps(pow2(S), 512),
+        slot_page, slot_phys, table_buffer, heads, page, tail, _predicate(when, slot_page.device),
+        nT, S, num_heads, cap, BLOCK_S=pow2(S), num_warps=_warps(pow2(S), 512),
     )
