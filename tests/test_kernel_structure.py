@@ -151,3 +151,25 @@ def test_flags_at_any_byte_launch_one_variant(monkeypatch):
         scores[:, :, 0].contiguous(), 8, active=a, out=out, heads=h, keep_margin=1.0, keep=a), monkeypatch)
         for a, h in ((flags[:3], torch.arange(5)[:3]), (flags[1:4], torch.arange(5)[1:4]))]
     assert picks[0] == picks[1]
+
+
+def test_every_layer_launches_one_variant_of_the_exact_mass(monkeypatch):
+    """Layers differ in how many heads of a kind they hold (the profile's unstable heads) and where those heads' ids
+    sit: the exact mass's log-sum-exps and its combine launch one variant for all of them (the combine's strides,
+    ``h * G * width``, are multiples of 16 in some layers only)."""
+    import torch
+
+    from flexicache_hf.kernels import mass, page_lse
+
+    B, H, G, D, ps, width = 8, 8, 4, 16, 8, 65
+    q = torch.randn(B, H * G, D, dtype=torch.float16)
+    k_pool = torch.randn(B * H * width, ps, D, dtype=torch.float16)
+    table = torch.arange(B * H * width, dtype=torch.int32).view(B, H, width)
+    ids = torch.arange(H)
+    scalars = (torch.tensor([width]), torch.zeros(B, dtype=torch.long), torch.tensor([width * ps]))
+    lse = [launch_key(page_lse._page_lse_kernel, lambda h=h: page_lse.page_lse(
+        q, k_pool, table, h, scalars[0], scalars[1], scalars[2], 0.25), monkeypatch) for h in (ids[2:4], ids[5:7])]
+    assert lse[0] == lse[1]
+    combine = [launch_key(mass._group_mass_kernel, lambda h=h: mass.group_mass(
+        torch.randn(B, h, G, width), 0.5), monkeypatch) for h in (1, 4)]
+    assert combine[0] == combine[1]

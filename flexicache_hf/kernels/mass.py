@@ -27,9 +27,11 @@ TILE_ELEMENTS = 4096  # scores per tile: G_PAD x BLOCK_P (32 per thread at 4 war
 TINY = tl.constexpr(1.1754943508222875e-38)  # torch.finfo(torch.float32).tiny: the reference's clamp of an empty sum
 
 
-# The row flags are read one scalar at a time: their address's alignment (a slice of a layer's flags) changes no code,
-# so it makes no variant of its own (each is a compile of a machine's first process).
-@triton.jit(do_not_specialize=["width", "n_sel"], do_not_specialize_on_alignment=["active_ptr"])
+# One variant for every layer (each variant is a compile in a machine's first process): the row flags are read one
+# scalar at a time, so their address's alignment (a slice of a layer's flags) changes no code; the scores' strides
+# are h * G * width, G * width, width (h: the layer's heads of this kind, width: its page capacity), multiples of 16
+# in some layers only, and a decode step's rows (the capacity, 16k + 1 pages) are never aligned anyway.
+@triton.jit(do_not_specialize=["width", "n_sel", "s_sb", "s_sh", "s_sg"], do_not_specialize_on_alignment=["active_ptr"])
 def _group_mass_kernel(
     s_ptr,  # [B, h, G, width] float32 per query head; -inf = not scorable
     out_ptr,  # [B, h, width] float32, contiguous

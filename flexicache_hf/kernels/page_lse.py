@@ -27,7 +27,9 @@ import triton.language as tl
 from ._util import dot_upcast, pow2, strided_grid
 
 
-@triton.jit(do_not_specialize=["width", "n_sel", "n_cand"])
+# The head ids and the candidates' address (the head ids again without candidates) at any byte: one variant for
+# every layer (their loads gain nothing from it; each variant is a compile in a machine's first process).
+@triton.jit(do_not_specialize=["width", "n_sel", "n_cand"], do_not_specialize_on_alignment=["heads_ptr", "cand_ptr"])
 def _page_lse_kernel(
     q_ptr,  # [B, Hq, D]
     k_ptr,  # [N, page_size, D] key pool

@@ -173,8 +173,8 @@ def reseat_slots(
     scratch = torch.empty((B * nT, 2 * block_k + block_s), dtype=torch.int32, device=wanted.device)
     _reseat_kernel[(B * nT,)](
         slot_page, wanted, slot_phys, table_buffer, heads, _predicate(when, wanted.device), scratch, pages, phys,
-        nT, S, K, num_heads, cap, null_page, *wanted.stride(), BLOCK_S=block_s, BLOCK_K=block_k, LOG_K=block_k.bit_length() - 1,
-        num_warps=_warps(max(block_s, block_k), 128),
+        nT, S, K, num_heads, cap, null_page, *wanted.stride(),
+        BLOCK_S=block_s, BLOCK_K=block_k, LOG_K=block_k.bit_length() - 1, num_warps=_warps(max(block_s, block_k), 128),
     )
     return pages, phys
 

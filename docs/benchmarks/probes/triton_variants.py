@@ -98,7 +98,8 @@ def compile_all(variants: list[dict]) -> dict:
     for v in variants:
         jf = getattr(importlib.import_module(v["module"]), v["name"])
         options = backend.parse_options(dict(v["options"]))
-        src = ASTSource(jf, v["signature"], {tuple(k): c for k, c in v["constexprs"]}, {tuple(k): a for k, a in v["attrs"]})
+        constexprs = {tuple(k): c for k, c in v["constexprs"]}
+        src = ASTSource(jf, v["signature"], constexprs, {tuple(k): a for k, a in v["attrs"]})
         t = time.perf_counter()
         triton.compile(src, target=backend.target, options=options.__dict__)
         by_kernel[v["name"]].append({"phase": v["phase"], "compile_s": round(time.perf_counter() - t, 3),
