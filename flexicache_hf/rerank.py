@@ -200,10 +200,11 @@ class Reranker:
         as their selection (their re-rank for step 0: the schedule's next one for them is R steps or their
         staggered phase later); returns it, ``[B, num_stable, K]``."""
         heads = self.stable_heads
-        wanted = ops.select_pages(self._scores(ops, query, kmin, kmax, heads, num_pages, None, scale,
-                                               self.stable_scoring), self.width)
-        self.selected.index_copy_(1, heads, wanted)
-        return wanted
+        # Straight into their rows of the selection, as a decode step's select of the unstable heads (one kernel
+        # variant for both)
+        ops.select_pages(self._scores(ops, query, kmin, kmax, heads, num_pages, None, scale, self.stable_scoring),
+                         self.width, out=self.selected, heads=heads)
+        return self.selected.index_select(1, heads)
 
     def _scores(self, ops: KernelOps, query, kmin, kmax, heads, num_pages, active, scale,
                 scoring: tuple[str, float], keys: tuple | None = None) -> torch.Tensor:

@@ -173,3 +173,17 @@ def test_every_layer_launches_one_variant_of_the_exact_mass(monkeypatch):
     combine = [launch_key(mass._group_mass_kernel, lambda h=h: mass.group_mass(
         torch.randn(B, h, G, width), 0.5), monkeypatch) for h in (1, 4)]
     assert combine[0] == combine[1]
+
+
+def test_a_prompts_select_and_a_steps_launch_one_variant(monkeypatch):
+    """A prompt's select (rows as wide as its pages, a multiple of 16 at 16k) and a compiled step's (rows as wide as
+    the capacity, 16k + 1 pages) into the heads of a layer's selection: one variant."""
+    import torch
+
+    from flexicache_hf.kernels import select
+
+    out = torch.full((2, 8, 128), -1, dtype=torch.long)
+    heads = torch.tensor([1, 4, 6])
+    keys = [launch_key(select._select_pages_kernel, lambda w=w: select.select_pages(
+        torch.randn(2, 3, w), 128, out=out, heads=heads), monkeypatch) for w in (2048, 2049)]
+    assert keys[0] == keys[1]

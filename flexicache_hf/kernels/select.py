@@ -41,8 +41,10 @@ def _keys(row_ptr, idx, P):
     return key.to(tl.uint32, bitcast=True) ^ 0x80000000, live
 
 
-# Flags and head ids are read one scalar at a time: their addresses' alignment changes no code (no variant of its own).
-@triton.jit(do_not_specialize=["K", "h", "H_out", "margin"],
+# Flags and head ids are read one scalar at a time: their addresses' alignment changes no code; the row stride (a
+# prompt's page count, a decode step's capacity of 16k + 1 pages) is a multiple of 16 in the prompt only.  So a
+# prompt's select and a step's are one variant, not two (each variant is a compile in a machine's first process).
+@triton.jit(do_not_specialize=["K", "h", "H_out", "margin", "s_sr"],
             do_not_specialize_on_alignment=["active_ptr", "heads_ptr", "keep_ptr"])
 def _select_pages_kernel(
     scores_ptr,  # [R, >= P] float32 rows of scores (R = B * h); -inf = not selectable
