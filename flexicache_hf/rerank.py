@@ -175,8 +175,11 @@ class Reranker:
             scores = self._scores(ops, query, kmin, kmax, self.all_heads, num_pages, active, scale,
                                   self.unstable_scoring if self.num_stable == 0 else self.stable_scoring, keys)
             margin = self.keep_margin if self.num_stable else 0.0  # the stable heads' hysteresis, in the select
+            # Through the head map (here every head to itself) and the margin's rows only where both kinds exist:
+            # a layer of one kind of head then launches the split select's kernel variant for that kind.
+            keep = self.is_stable if margin and self.num_stable < self.num_heads else None
             ops.select_pages(scores, self.width, num_pages=num_pages, active=active, out=self.selected,
-                             keep_margin=margin, keep=self.is_stable if margin else None)
+                             heads=self.all_heads, keep_margin=margin, keep=keep)
         else:  # each kind of head by its own scoring, selected on its own straight into its rows of `selected`
             # (stable heads are active where due, unstable ones always: no per-head indexing of `active`)
             parts = ((self.stable_heads, self.stable_scoring, None, due.expand(self.num_stable).contiguous(),

@@ -92,7 +92,14 @@ def test_group_mass_compiles_for_sm90_without_spills():
 
 def launch_key(kernel, call, monkeypatch) -> str:
     """The compiled variant (Triton's specialisation of every argument, for an sm_90 target) that ``call()``'s
-    launch of ``kernel`` would run, found without launching it: the launch is caught at ``kernel.run``."""
+    one launch of ``kernel`` would run, found without launching it: the launch is caught at ``kernel.run``."""
+    keys = launch_keys(kernel, call, monkeypatch)
+    assert len(keys) == 1
+    return keys[0]
+
+
+def launch_keys(kernel, call, monkeypatch) -> list[str]:
+    """:func:`launch_key` of each of ``call()``'s launches of ``kernel``, in order."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
@@ -106,8 +113,7 @@ def launch_key(kernel, call, monkeypatch) -> str:
 
     monkeypatch.setattr(kernel, "run", run)
     call()
-    assert len(keys) == 1
-    return keys[0]
+    return keys
 
 
 def test_calls_with_and_without_a_predicate_launch_one_variant(monkeypatch):
@@ -187,3 +193,30 @@ def test_a_prompts_select_and_a_steps_launch_one_variant(monkeypatch):
     keys = [launch_key(select._select_pages_kernel, lambda w=w: select.select_pages(
         torch.randn(2, 3, w), 128, out=out, heads=heads), monkeypatch) for w in (2048, 2049)]
     assert keys[0] == keys[1]
+
+
+def test_a_layer_of_one_kind_of_head_selects_with_a_mixed_layers_variants(monkeypatch):
+    """Profiles leave some layers with no unstable head (7 of Llama-3.1-8B's 32): their one select (every head by one
+    rule, with the stable heads' margin) runs the variant of a mixed layer's stable select, and an all-unstable
+    layer's that of a mixed layer's unstable select."""
+    import dataclasses
+
+    import torch
+
+    from flexicache_hf.kernels import REFERENCE_OPS, select
+    from flexicache_hf.rerank import Reranker
+
+    ops = dataclasses.replace(REFERENCE_OPS, select_pages=select.select_pages)
+    g = torch.Generator().manual_seed(0)
+    q, lo = torch.randn(2, 12, 8, generator=g), torch.randn(2, 4, 40, 8, generator=g)
+    hi = lo + 1
+
+    def selects(unstable):
+        r = Reranker(2, 4, unstable, 4, 1, torch.device("cpu"), stable_scoring=("mass", 0.5),
+                     unstable_scoring=("max", 1.0), keep_margin=1.0)
+        return launch_keys(select._select_pages_kernel, lambda: r.rerank(
+            ops, q, lo, hi, torch.tensor([40]), due=torch.tensor(True), scale=0.3), monkeypatch)
+
+    stable, unstable = selects((1, 3))  # a mixed layer: each kind selected on its own
+    assert stable != unstable
+    assert selects(()) == [stable] and selects((0, 1, 2, 3)) == [unstable]
