@@ -4,10 +4,10 @@ for sm_90, on the CPU (no GPU needed).
 A machine's first process compiles every variant (Triton's specialisation: the constexprs, and each pointer's
 and integer's divisibility by 16) at its first launch: 12.6 s of run 41's first cache on an H100 host (23
 variants, inside the warm-up). This replays a README-call cache on a small Llama-8B-shaped model (32 query heads,
-8 KV heads of 128 channels, the shipped Llama profile's settings, budget 1024): a prompt, then ``--steps`` compiled
-steps' op bodies, every kernel through Triton's interpreter (a child process with ``TRITON_INTERPRET=1``), each
-launch's variant taken from Triton's own argument binder for an sm_90 target; then compiles each variant for sm_90
-(Triton's LLVM and ptxas) and times it.
+8 KV heads of 128 channels, the shipped Llama profile's unstable heads of its first ``--layers`` layers and its
+settings, budget 1024): a prompt, then ``--steps`` compiled steps' op bodies, every kernel through Triton's
+interpreter (a child process with ``TRITON_INTERPRET=1``), each launch's variant taken from Triton's own argument
+binder for an sm_90 target; then compiles each variant for sm_90 (Triton's LLVM and ptxas) and times it.
 
     python docs/benchmarks/probes/triton_variants.py --batch 2 --prompt 1024 --steps 9
 
@@ -71,7 +71,10 @@ def record(args) -> list[dict]:
     here = os.path.dirname(os.path.abspath(__file__))
     shipped = json.load(open(os.path.join(here, "..", "..", "..", "profiles", "Llama-3.1-8B-Instruct.json")))
     settings = {k: v for k, v in shipped["settings"].items() if k not in ("source", "note")}
-    cache = FlexiCache(HeadProfile.random(model.config, 0.25), FlexiCacheConfig(token_budget=1024, **settings))
+    # The shipped profile's unstable heads of the first layers (Llama's leaves some layers with none, some with 5)
+    unstable = [(layer, head) for layer, head in shipped["unstable_heads"] if layer < args.layers]
+    config = FlexiCacheConfig(token_budget=1024, **settings)
+    cache = FlexiCache(HeadProfile.from_unstable(model.config, unstable), config)
     B = args.batch
     ids = torch.randint(1, 128, (B, args.prompt))
     with torch.no_grad():
