@@ -139,7 +139,7 @@ def main():
     for name, k in result["kernels"].items():
         print(f"  {name}: {k['variants']} in {k['compile_s']} s ({', '.join(x['phase'] for x in k['each'])})")
     if args.json:
-        json.dump(result, open(args.json, "w"), indent=1, default=str)
+        json.dump(result, open(args.json, "w"), separators=(",", ":"), default=str)
 
 
 if __name__ == "__main__":
