@@ -48,7 +48,7 @@ def shadow_generate(prompt: int) -> float:
     torch.cuda.synchronize()
     del model, cache
     gc.collect()
-    release_storage()  # the shadow's storage, kept for a cache of its shape, freed now rather than in the measured prefill
+    release_storage()  # the shadow's storage (kept for a cache of its shape) freed now, not in the measured prefill
     return time.perf_counter() - t
 
 
