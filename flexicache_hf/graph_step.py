@@ -95,4 +95,3 @@ def graph_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, leng
 @graph_step.register_fake
 def _(query, key, value, length, pool, layer_idx, scaling):
     return torch.empty_like(query)
-
