@@ -35,6 +35,7 @@ from .model_check import check_served
 from .stats import CacheAccounting, CacheStats
 from .host_room import check_host_growth
 from .recycling import KEEPER, storage_key
+from .rows import checked_rows
 from .reserve import before_step, compileable_unsized, context_for, fit_reserved, plan_forward, reserve_first
 from .settings import resolve_settings
 from .rerank import SelectionObserver
@@ -291,6 +292,9 @@ class FlexiCache(CacheAccounting, Cache):
     def _rows(self, method: str, arg) -> None:
         """Beam reorder / batch selection / expansion (each row's newest page is found from the synchronised length)."""
         self.ensure_usable()
+        held = [layer.storage.batch for layer in self.layers if layer.is_initialized]
+        if held:  # checked before any layer takes it (rows.py); an empty cache holds no rows to change
+            arg = checked_rows(method, arg, held[0])
         self.sync()
         getattr(super(), method)(arg)
 

@@ -36,6 +36,8 @@ def crop(cache, max_length: int) -> None:
         raise ValueError(f"cannot crop {drop} tokens from a FlexiCache holding {held}")
     if drop == 0:
         return
+    if drop < held:
+        refuse_emptied_rows(cache, held, held - drop)
     if drop == held:
         cache.reset()
         return
@@ -44,6 +46,21 @@ def crop(cache, max_length: int) -> None:
     for layer in cache.layers:
         if layer.is_initialized:
             layer.rewind(held - drop)
+
+
+def refuse_emptied_rows(cache, held: int, keep: int) -> None:
+    """Refuse a crop to ``keep`` tokens that leaves a left-padded row with padding only (its real tokens all
+    dropped): the next token would count as padding there.  Reads the padding on the host only for a padded
+    batch; changes nothing."""
+    layer = next(layer for layer in cache.layers if layer.is_initialized)
+    if not layer.storage.padded:
+        return
+    lead = (layer.storage.valid_lo - layer.origin).tolist()
+    rows = [r for r, n in enumerate(lead) if keep <= n < held]
+    if rows:
+        least = max(n for n in lead if n < held) + 1
+        raise ValueError(f"cannot crop to {keep} tokens: row(s) {rows} of this left-padded batch would keep only "
+                         f"padding; keep at least {least} tokens")
 
 
 def undo_refused(cache, handle) -> bool:

@@ -220,3 +220,36 @@ def test_prompt_lookup_at_an_eighth_of_the_prompt_scores_as_the_eval_harness(smo
             scores.append(s.score(tok.decode(out, skip_special_tokens=True)))
             assert cache.get_seq_length() == ids.shape[1] + len(out) - 1
     assert all(sum(scores) >= sum(harness) for scores in lookup.values()), (harness, lookup)
+
+
+def test_a_crop_that_leaves_a_row_only_its_left_padding_is_refused_and_loses_nothing():
+    """A left-padded row whose real tokens a crop would all drop would take its next token as padding (a wrong
+    answer without an error before): refused, the cache unchanged; a crop that keeps each row a real token equals
+    DynamicCache's."""
+    cfg = tiny_config("llama", heads=4, kv_heads=2, layers=2, head_dim=16)
+    fc, dense = twin_models(cfg)
+    ids = torch.randint(2, 90, (3, 16), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    for row, pads in ((1, 3), (2, 8)):
+        mask[row, :pads] = 0
+        ids[row, :pads] = 0
+    cache, ref = FlexiCache(HeadProfile.all_stable(cfg), **BUDGETS["full"]), DynamicCache()
+    with torch.no_grad():
+        fc(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        dense(ids, attention_mask=mask, past_key_values=ref, use_cache=True)
+    untouched = copy.deepcopy(cache)
+    with pytest.raises(ValueError, match=r"row\(s\) \[2\] .* keep at least 9 tokens"):
+        cache.crop(-8)
+    assert cache.get_seq_length() == 16
+    tok = torch.randint(2, 90, (3, 1), generator=torch.Generator().manual_seed(2))
+    step = torch.cat([mask, torch.ones((3, 1), dtype=mask.dtype)], 1)
+    with torch.no_grad():
+        assert torch.equal(fc(tok, attention_mask=step, past_key_values=cache).logits,
+                           fc(tok, attention_mask=step, past_key_values=untouched).logits)
+    cache.crop(-8)  # 17 held: row 2 keeps its first real token
+    ref.crop(-7)
+    step = torch.cat([mask[:, :9], torch.ones((3, 1), dtype=mask.dtype)], 1)
+    with torch.no_grad():
+        got = fc(tok, attention_mask=step, past_key_values=cache).logits
+        want = dense(tok, attention_mask=step, past_key_values=ref).logits
+    assert torch.allclose(got, want, atol=1e-4)

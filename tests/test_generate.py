@@ -509,3 +509,89 @@ def test_a_rows_sink_pages_are_its_own_first_pages_in_a_batch(budget):
     """With sink and recent pages forced into every selection, still each row's own tokens: a row's sink page is its
     first page holding a token that is not padding."""
     test_a_rows_tokens_never_depend_on_its_batch("llama", 4, 2, 8, budget, forced=(1, 1))
+
+
+def row_cache(cfg, sized: bool, budget: int = 512):
+    return FlexiCache(HeadProfile.random(cfg, 0.5, seed=3), page_size=4, token_budget=budget, rerank_interval=3,
+                      max_cache_len=100 if sized else None)
+
+
+def decode(model, cache, first: torch.Tensor, n: int = 6) -> torch.Tensor:
+    """Greedy tokens ``[B, n]`` fed one at a time from ``first [B, 1]`` (logits' argmax)."""
+    out, tok = [], first
+    with torch.no_grad():
+        for _ in range(n):
+            tok = model(tok, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            out.append(tok)
+    return torch.cat(out, 1)
+
+
+@pytest.mark.parametrize("sized", [False, True])
+def test_row_operations_take_negative_indices_as_torch_indexing_does(sized):
+    """``reorder_cache([-1, 0])`` is ``reorder_cache([1, 0])`` (DynamicCache's ``index_select`` refuses it; its
+    ``batch_select_indices`` takes negative indices), sized storage included (it took every layer's pages apart)."""
+    cfg = tiny_config("llama", heads=4, kv_heads=2, layers=2)
+    fc, dense = twin_models(cfg)
+    ids = torch.randint(2, 96, (2, 21), generator=torch.Generator().manual_seed(11))
+    neg, pos, ref = row_cache(cfg, sized), row_cache(cfg, sized), DynamicCache()
+    with torch.no_grad():
+        for cache, model in ((neg, fc), (pos, fc), (ref, dense)):
+            model(ids, past_key_values=cache, use_cache=True)
+    neg.reorder_cache(torch.tensor([-1, 0]))
+    pos.reorder_cache(torch.tensor([1, 0]))
+    ref.reorder_cache(torch.tensor([1, 0]))
+    first = ids[[1, 0], -1:]
+    want = decode(dense, ref, first)
+    assert torch.equal(decode(fc, neg, first), want) and torch.equal(decode(fc, pos, first), want)
+    neg.batch_select_indices(torch.tensor([-2]))  # row 0 of the reordered batch
+    ref.batch_select_indices(torch.tensor([-2]))
+    assert torch.equal(decode(fc, neg, want[:1, -1:]), decode(dense, ref, want[:1, -1:]))
+
+
+@pytest.mark.parametrize("sized", [False, True])
+def test_row_operations_refuse_bad_arguments_before_any_layer_changes(sized):
+    """An index or a repeat count no layer could take is refused with a clear error before any layer changes: the
+    cache then decodes as an untouched one (before, a negative index on sized storage failed in a later layer's
+    copy after earlier layers had taken it)."""
+    cfg = tiny_config("llama", heads=4, kv_heads=2, layers=3)
+    fc, _ = twin_models(cfg)
+    ids = torch.randint(2, 96, (2, 21), generator=torch.Generator().manual_seed(5))
+    cache, untouched = row_cache(cfg, sized, budget=8), row_cache(cfg, sized, budget=8)
+    with torch.no_grad():
+        fc(ids, past_key_values=cache, use_cache=True)
+        fc(ids, past_key_values=untouched, use_cache=True)
+    bad = [("reorder_cache", torch.tensor([0.0, 1.0]), TypeError), ("reorder_cache", torch.tensor([True, False]),
+           TypeError), ("reorder_cache", torch.tensor([[0, 1]]), ValueError),
+           ("batch_select_indices", torch.tensor([], dtype=torch.long), ValueError),
+           ("batch_select_indices", torch.tensor([0, 2]), IndexError), ("reorder_cache", torch.tensor([-3, 0]),
+           IndexError), ("batch_repeat_interleave", 0, ValueError), ("batch_repeat_interleave", 1.5, ValueError)]
+    for method, arg, error in bad:
+        with pytest.raises(error, match=method):
+            getattr(cache, method)(arg)
+    assert [layer.storage.batch for layer in cache.layers] == [2, 2, 2]
+    assert torch.equal(decode(fc, cache, ids[:, -1:]), decode(fc, untouched, ids[:, -1:]))
+
+
+def test_selecting_the_unpadded_rows_of_a_padded_batch_takes_a_follow_up_turn():
+    """Rows kept from a left-padded batch: the cache knows whether they still hold padding, so a follow-up chunk
+    without padding is taken (it was refused as "a later prompt chunk changed the left padding") and equals
+    DynamicCache's."""
+    cfg = tiny_config("llama", heads=4, kv_heads=2, layers=2, head_dim=16)
+    fc, dense = twin_models(cfg)
+    ids = torch.randint(2, 90, (2, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    ids[1, :5] = 0
+    cache, ref = FlexiCache(HeadProfile.random(cfg, 0.5, seed=3), **FULL), DynamicCache()
+    out = greedy(fc, ids, cache, n=5, attention_mask=mask)
+    assert torch.equal(out, greedy(dense, ids, ref, n=5, attention_mask=mask))
+    for keep in ([0], [1, 0]):  # the unpadded row alone; then (a fresh pair) a padded row kept with it
+        if keep == [1, 0]:
+            cache, ref = FlexiCache(HeadProfile.random(cfg, 0.5, seed=3), **FULL), DynamicCache()
+            greedy(fc, ids, cache, n=5, attention_mask=mask)
+            greedy(dense, ids, ref, n=5, attention_mask=mask)
+        cache.batch_select_indices(torch.tensor(keep))
+        ref.batch_select_indices(torch.tensor(keep))
+        x = torch.cat([out[keep], torch.randint(2, 90, (len(keep), 4), generator=torch.Generator().manual_seed(2))], 1)
+        m = torch.cat([mask[keep], torch.ones((len(keep), x.shape[1] - mask.shape[1]), dtype=mask.dtype)], 1)
+        assert torch.equal(greedy(fc, x, cache, n=5, attention_mask=m), greedy(dense, x, ref, n=5, attention_mask=m))

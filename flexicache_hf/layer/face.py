@@ -264,7 +264,12 @@ class FlexiCacheLayer(CacheLayerMixin):
         if not self.is_initialized:
             return
         index = index.to(self.storage.device).long()
-        self.storage.select_rows(index, self.stored_end)
+        s = self.storage
+        s.select_rows(index, self.stored_end)
+        if s.padded:  # the rows kept may have no padding, or none that holds only padding: as a prompt of them
+            lead = s.valid_lo - self.origin
+            s.padded = bool(lead.any())
+            s.open_padding = s.padded and bool((lead >= self.seq_len).any())
         self.reranker.select_rows(index)
         if self.spec.max_tokens is not None or self.storage.reserved is not None:
             self.mark_static()  # new buffers: a recorded decode graph records anew rather than replay onto the old
