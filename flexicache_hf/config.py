@@ -87,7 +87,8 @@ class FlexiCacheConfig:
             the next R steps (one step later than the paper's order, whose loads wait before the attention).  A
             stable head between re-ranks then attends up to ``rerank_interval // page_size + 1`` pages since its
             selection (:attr:`max_recent_pages`).  The re-rank every head makes after a follow-up prompt chunk keeps
-            the paper's order.  ``False`` (the default, and the paper): re-rank, load, then attend.
+            the paper's order.  ``False`` (the default, and the paper): re-rank, load, then attend. Needs ``offload=True``
+            (without offloading nothing loads).
         keep_margin: ``m >= 0``: a stable head's re-rank keeps a page of its selection unless another page scores
             more than ``1 + m`` times it (the selected pages' scores are multiplied by ``1 + m`` before the top-K;
             ``group_score="mass"`` only, whose scores are attention masses).  Every page a stable head promotes
@@ -130,6 +131,10 @@ class FlexiCacheConfig:
         for name in ("offload", "stagger_reranks", "overlap_loads"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.overlap_loads and not self.offload:
+            raise ConfigError("overlap_loads=True needs offload=True: it moves the loads of offloaded pages behind the "
+                              "compute (a re-rank's new selection then serves from the next step); without offloading "
+                              "nothing loads and a re-rank serves at once")
         for name in ("sink_pages", "recent_pages"):
             v = getattr(self, name)
             if not _is_int(v) or v < 0:

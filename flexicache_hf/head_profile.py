@@ -338,10 +338,16 @@ def resolve_profile(spec: Any, *, profiles_dir: str | os.PathLike | None = None)
     for stem, path in found.items():
         if stem.casefold() in (want, want_last):
             return HeadProfile.load(path)
+    unreadable = []  # a broken file in the folder does not hide the others (named below if nothing matched)
     for stem, path in found.items():
-        prof = HeadProfile.load(path)
+        try:
+            prof = HeadProfile.load(path)
+        except ProfileError as e:
+            unreadable.append(str(e))  # (names the file)
+            continue
         name = (prof.model.name or "").casefold()
         if name and (want == name or want_last == name.rsplit("/", 1)[-1]):
             return prof
+    skipped = f"; skipped unreadable profile files: {'; '.join(unreadable)}" if unreadable else ""
     raise ProfileError(f"no head profile named {spec!r}; available profile names: {names} "
-                       "(or pass a path to a profile JSON file)")
+                       f"(or pass a path to a profile JSON file){skipped}")

@@ -102,7 +102,7 @@ def drive(profile, *, B, H, G, D, prompt, steps, ps, budget, R, offload, valid_l
             for h in stable.tolist()}
     history = []
     checked = not set(extra) - {"overlap_loads"}  # the checks below know the plain schedule, and overlap's
-    late = cache.config.overlap_loads and offload  # a re-rank after the step's attention (overlap_loads)
+    late = cache.config.overlap_loads  # a re-rank after the step's attention (overlap_loads, offloaded pages)
     for step in range(steps):
         k1, v1, q1 = torch.randn(B, H, 1, D), torch.randn(B, H, 1, D), torch.randn(B, H * G, 1, D)
         keys, values = torch.cat([keys, k1], 2), torch.cat([values, v1], 2)
@@ -211,8 +211,8 @@ def _random_layer_case(i: int) -> dict:
     case = dict(B=B, H=H, G=r.choice([1, 2, 3]), D=8, prompt=prompt, steps=2 * R + r.randint(1, 2 * ps + 2),
                 ps=ps, budget=ps * pages, R=R, offload=r.random() < 0.8, valid_lo=torch.tensor(lo),
                 unstable=[(0, h) for h in range(H) if r.random() < 0.4], **extra)
-    if r.random() < 0.4:  # (drawn last: the cases before overlap_loads existed stay as they were)
-        case["overlap_loads"] = True
+    if r.random() < 0.4 and case["offload"]:  # (drawn last: the cases before overlap_loads existed stay as they
+        case["overlap_loads"] = True  # were; it needs offloading)
     return case
 
 

@@ -42,6 +42,7 @@ def gen(model, ids, cache, n=4, **kw):
     (dict(unstable_group_score="sum"), "unstable_group_score must be one of"),
     (dict(unstable_bound_shrink=1.5), "unstable_bound_shrink must be a number in"),
     (dict(unstable_bound_shrink="0.5"), "unstable_bound_shrink must be a number in"),
+    (dict(overlap_loads=True, offload=False), "overlap_loads=True needs offload=True"),  # was ignored: other tokens
 ])
 def test_bad_config_values(fields, match):
     with pytest.raises(ConfigError, match=match):

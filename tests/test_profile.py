@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -204,6 +205,21 @@ def test_resolve(tmp_path):
         resolve_profile(str(tmp_path / "absent.json"))
     with pytest.raises(ProfileError, match="expected a HeadProfile"):
         resolve_profile(3)
+
+
+def test_an_unreadable_profile_file_does_not_hide_the_others_from_a_lookup_by_name(tmp_path):
+    """A broken ``*.json`` beside a good profile: the good one is found by its recorded model name, and an unknown
+    name is answered as unknown, naming the broken file as skipped (its read error answered both before)."""
+    random = HeadProfile.random(tiny(), seed=1)
+    p = dataclasses.replace(random, model=dataclasses.replace(random.model, name="org/My-Model"))
+    p.save(tmp_path / "good.json")
+    (tmp_path / "aaa-broken.json").write_text('{"format": "flexicache-head-profile", ')
+    assert resolve_profile("org/My-Model", profiles_dir=tmp_path) == p
+    assert resolve_profile("my-model", profiles_dir=tmp_path) == p
+    with pytest.raises(ProfileError, match=r"no head profile named 'other'.*skipped unreadable.*aaa-broken\.json"):
+        resolve_profile("other", profiles_dir=tmp_path)
+    with pytest.raises(ProfileError, match="cannot read head profile"):  # asked for by its own name: its error
+        resolve_profile("aaa-broken", profiles_dir=tmp_path)
 
 
 @st.composite

@@ -327,7 +327,7 @@ def state_for_device(states: dict[str, DecodeState], device: torch.device, confi
         first = not states
         phases = tuple(config.rerank_phase(i) for i in range(num_layers))
         state = DecodeState(device, config.page_size, config.rerank_interval, capacity, phases, counts_steps=first,
-                            overlap=config.overlap_loads and config.offload, ops=ops_for(device, prefer=kernels))
+                            overlap=config.overlap_loads, ops=ops_for(device, prefer=kernels))
         if not first:
             state.follow(next(iter(states.values())))
         states[key] = state
