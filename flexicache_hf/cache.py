@@ -101,6 +101,7 @@ class FlexiCache(CacheAccounting, Cache):
         self.states: dict[str, DecodeState] = {}
         # the model's context and tensor-parallel size, once check_model saw its config (see sharding.py)
         self.max_positions = self.tp_size = self._checked_config = None
+        self.context_reserved = False  # max_positions is the reserved storage's context, below the model's
         compileable = self.is_compileable
         layers = [FlexiCacheLayer(LayerSpec(i, self.profile.unstable_heads(i), self.config, self.profile.model,
                                             self.max_tokens, compileable, kernels, count_pages, observer))
@@ -246,14 +247,15 @@ class FlexiCache(CacheAccounting, Cache):
 
     def check_length(self, end: int) -> None:
         """Refuse ``end`` positions beyond the model's context or ``max_cache_len`` (:mod:`~flexicache_hf.lengths`)."""
-        refuse_length(end, self.max_positions, self.max_tokens)
+        refuse_length(end, self.max_positions, self.max_tokens, self.context_reserved)
 
     def check_model(self, model_config) -> None:
         """Refuse a model this cache cannot serve: another shape than the profile's, or non-full attention."""
         if model_config is not self._checked_config:
-            self.max_positions, self.tp_size = check_served(self.profile, model_config, self.max_tokens)
+            context, self.tp_size = check_served(self.profile, model_config, self.max_tokens)
             self._checked_config = model_config
-            self.max_positions = fit_reserved(self, self.max_positions)
+            self.max_positions = fit_reserved(self, context)
+            self.context_reserved = self.max_positions is not None and self.max_positions != context
 
     @property
     def is_compileable(self) -> bool:

@@ -92,6 +92,8 @@ class HeadProfile:
             if settings.unstable_fraction is not None and not self.scores:
                 raise ProfileError(f"settings' unstable_fraction ({settings.unstable_fraction}) needs per-head "
                                    "scores to re-cut the profile, and this profile has none")
+            if settings.unstable_fraction is not None:  # re-cut when a cache is made: refused now, naming the file
+                _check_every_head_scored(self.model, self.scores)
             object.__setattr__(self, "settings", settings)
 
     def __reduce__(self):
@@ -281,10 +283,7 @@ class HeadProfile:
         if not isinstance(scores, Mapping):
             raise ProfileError(f"scores must map (layer, kv_head) -> float, found {type(scores).__name__}")
         clean = {_head(h, "scores key"): v for h, v in scores.items()}
-        missing = {(l, h) for l in range(m.num_layers) for h in range(m.num_kv_heads)} - set(clean)
-        if missing:
-            raise ProfileError(f"scores must cover all {m.num_layers}x{m.num_kv_heads} heads; "
-                               f"{len(missing)} have no score, e.g. {min(missing)}")
+        _check_every_head_scored(m, clean)
         prov = dict(provenance) if provenance is not None else {"kind": "scores"}
         prov.setdefault("fraction", fraction)
         tmp = cls(m, frozenset(), clean, prov)  # validates the scores before ranking them
@@ -312,6 +311,14 @@ def available_profiles(profiles_dir: str | os.PathLike | None = None) -> dict[st
     if not d.is_dir():
         return {}
     return {p.stem: p for p in sorted(d.glob("*.json"))}
+
+
+def _check_every_head_scored(m: ModelIdentity, scores: Mapping) -> None:
+    """Refuse scores that leave a head of ``m`` unscored (an unscored head cannot be ranked)."""
+    missing = {(l, h) for l in range(m.num_layers) for h in range(m.num_kv_heads)} - set(scores)
+    if missing:
+        raise ProfileError(f"scores must cover all {m.num_layers}x{m.num_kv_heads} heads; "
+                           f"{len(missing)} have no score, e.g. {min(missing)}")
 
 
 def resolve_profile(spec: Any, *, profiles_dir: str | os.PathLike | None = None) -> HeadProfile:

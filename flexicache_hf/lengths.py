@@ -12,8 +12,14 @@ without ``generate``: it is seen at the cache's next eager use.
 from __future__ import annotations
 
 
-def refuse_length(end: int, max_positions: int | None, max_tokens: int | None) -> None:
-    """Refuse (ValueError) ``end`` positions beyond the model's context or beyond ``max_cache_len``."""
+def refuse_length(end: int, max_positions: int | None, max_tokens: int | None, reserved: bool = False) -> None:
+    """Refuse (ValueError) ``end`` positions beyond the model's context or beyond ``max_cache_len``; ``reserved``:
+    ``max_positions`` is the context the cache's storage was reserved for, below the model's
+    (:func:`~flexicache_hf.reserve.fit_reserved`)."""
+    if reserved and max_positions is not None and end > max_positions:
+        raise ValueError(f"{end} tokens exceed the {max_positions} positions this cache's storage was reserved for "
+                         "(its profile's record of the model's context, taken before the cache saw the model's "
+                         "config); make the cache with model_config=model.config to reserve the model's context")
     if max_positions is not None and end > max_positions:
         raise ValueError(f"{end} tokens exceed the model's context of {max_positions} positions (max_position_embeddings)")
     if max_tokens is not None and end > max_tokens:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -70,8 +71,17 @@ class ProfileSettings:
         return dict(self.fields)
 
     def config(self, **overrides) -> FlexiCacheConfig:
-        """The config these settings give, ``overrides`` (single fields) on top."""
-        return FlexiCacheConfig(**{**self.config_fields, **overrides})
+        """The config these settings give, ``overrides`` (single fields) on top.  A clash of an override with a
+        field these settings set is refused naming those fields (the user set only the overrides)."""
+        try:
+            return FlexiCacheConfig(**{**self.config_fields, **overrides})
+        except ConfigError as e:
+            named = [f"{k}={v!r}" for k, v in self.fields
+                     if k not in overrides and re.search(rf"\b{k}\b", str(e))]  # the settings' fields it names
+            if not overrides or not named:
+                raise
+            raise ConfigError(f"{e} ({', '.join(named)}: the profile's settings; override that too, or pass "
+                              "config=FlexiCacheConfig(...) to set every field)") from e
 
     def without_fraction(self) -> ProfileSettings:
         return dataclasses.replace(self, unstable_fraction=None)

@@ -229,13 +229,15 @@ def profiles(draw):
                       draw(st.sampled_from([8, 64, 128])), draw(st.none() | st.text(max_size=20)))
     every = [(l, h) for l in range(m.num_layers) for h in range(m.num_kv_heads)]
     unstable = draw(st.sets(st.sampled_from(every)))
-    scores = draw(st.none() | st.dictionaries(st.sampled_from(every), st.floats(allow_nan=False, allow_infinity=False)))
+    score = st.floats(allow_nan=False, allow_infinity=False)
+    scores = draw(st.none() | st.dictionaries(st.sampled_from(every), score)
+                  | st.fixed_dictionaries({h: score for h in every}))
     prov = draw(st.dictionaries(st.text(max_size=8), st.integers() | st.text(max_size=8) | st.lists(st.integers(), max_size=3)))
     fields = draw(st.fixed_dictionaries({}, optional={"page_size": st.sampled_from([8, 16]),
                                                        "group_score": st.sampled_from(["max", "mass"]),
                                                        "bound_shrink": st.sampled_from([0.5, 1.0]),
                                                        "sink_pages": st.integers(0, 2)}))
-    fraction = st.none() | st.sampled_from([0.25, 0.375]) if scores else st.none()
+    fraction = st.none() | st.sampled_from([0.25, 0.375]) if scores and len(scores) == len(every) else st.none()
     settings = draw(st.none() | st.builds(lambda f: {**fields, "source": "grid", **({} if f is None else
                                                      {"unstable_fraction": f})}, fraction))
     return HeadProfile(m, frozenset(unstable), scores, prov, settings=settings)

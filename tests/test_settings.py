@@ -64,6 +64,13 @@ def test_settings_need_a_source_and_scores_to_recut(tmp_path):
     with pytest.raises(ProfileError, match="needs per-head scores"):
         HeadProfile.from_unstable(tiny(), [(0, 1)]).__class__(
             HeadProfile.from_unstable(tiny(), [(0, 1)]).model, {(0, 1)}, settings=settings())
+    # scores that miss a head: refused when the profile is read (naming its file), not when a cache re-cuts it
+    d = measured(settings()).to_dict()
+    d["scores"].pop()
+    path = tmp_path / "unscored-head.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(ProfileError, match=r"unscored-head\.json: scores must cover all 4x2 heads"):
+        HeadProfile.load(path)
     # without a fraction a published head list (no scores) may carry settings
     p = HeadProfile(HeadProfile.all_stable(tiny()).model, {(0, 1)}, settings={**FIELDS, "source": "s"})
     assert p.settings.unstable_fraction is None and p.settings.config_fields == FIELDS
@@ -92,6 +99,20 @@ def test_precedence():
     cache = FlexiCache(plain, token_budget=1024)
     assert cache.config == FlexiCacheConfig(token_budget=1024) and cache.profile is plain
     assert cache.settings_source == "FlexiCacheConfig defaults + token_budget=1024"
+
+
+def test_an_override_that_clashes_with_the_settings_names_the_settings_field():
+    """The user passed only ``unstable_bound_shrink``: the refusal names the profile's ``unstable_group_score`` as
+    the other side; an override wrong on its own is refused as FlexiCacheConfig refuses it."""
+    p = measured(settings())
+    from flexicache_hf import ConfigError
+
+    with pytest.raises(ConfigError, match=r"unstable_group_score='exact': the profile's settings; override that too"):
+        FlexiCache(p, unstable_bound_shrink=0.5)
+    with pytest.raises(ConfigError, match=r"token_budget must be a multiple of page_size \(8\).*page_size=8: the prof"):
+        FlexiCache(p, token_budget=12)
+    with pytest.raises(ConfigError, match=r"rerank_interval must be a positive integer, got 0$"):
+        FlexiCache(p, rerank_interval=0)
 
 
 def test_resolve_settings_is_the_one_place():
