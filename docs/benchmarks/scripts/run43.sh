@@ -20,4 +20,7 @@ for r in json.load(open(sys.argv[1]))["results"]:
           round(r.get("warmup_compile_phases", {}).get("_compile.compile_inner", 0), 1))
     print("   ", kernels)
 P
-timeout 300 python3 -m pytest -q -x tests/gpu -k "not smollm2" -p no:cacheprovider 2>&1 | tail -4
+# TESTS / TEST_LIMIT: the GPU tests run (the kernels' and the graph op's first) and their limit; SIGINT at the limit, so
+# pytest still prints its summary of what ran.
+TESTS=${TESTS:-"tests/gpu/test_kernels_gpu.py tests/gpu/test_graph_decode_gpu.py tests/gpu/test_reserve_gpu.py tests/gpu"}
+timeout -s INT ${TEST_LIMIT:-300} python3 -m pytest -q -rf $TESTS -k "not smollm2" -p no:cacheprovider 2>&1 | tail -8
