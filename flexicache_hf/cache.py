@@ -34,9 +34,9 @@ from .layer.schedule import DecodeState, state_for_device
 from .model_check import check_served
 from .stats import CacheAccounting, CacheStats
 from .host_room import check_host_growth
-from .recycling import KEEPER, storage_key
+from .recycling import KEEPER, storage_key, take_kept_storage
 from .rows import checked_rows
-from .reserve import before_step, compileable_unsized, context_for, fit_reserved, plan_forward, reserve_first
+from .reserve import before_step, compileable_unsized, fit_reserved, plan_forward, reserve_first
 from .settings import resolve_settings
 from .rerank import SelectionObserver
 
@@ -125,16 +125,6 @@ class FlexiCache(CacheAccounting, Cache):
     def observer(self, value) -> None:
         raise AttributeError("a FlexiCache's observer is fixed when it is made: FlexiCache(profile, observer=...)")
 
-    def _take_kept_storage(self, key_states: torch.Tensor) -> None:
-        """At the first forward of a new cache, before anything is allocated: take the storage of the last dropped
-        cache when it has this cache's shape and fits these states (any other kept storage is freed now)."""
-        kept = KEEPER.take(storage_key(self), key_states, context_for(self, key_states.device))
-        if kept is not None:
-            self.layers[:] = kept.layers  # the same list and dict objects: this cache's finalizer holds them
-            self.states.update(kept.states)
-            self.reset()  # emptied in place, as reset() empties a sized cache
-            self.storage_reused = True
-
     # ---- one forward: update(0), attend(0), ..., attend(L-1) ----------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Store layer ``layer_idx``'s new states ``[B, H, T, D]``; returns ``(handle, handle)`` for the attention."""
@@ -149,7 +139,7 @@ class FlexiCache(CacheAccounting, Cache):
     def _update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
         if layer_idx == 0:
             if not self.states and not self.guard.open:  # a new (or dropped-to-empty) cache
-                self._take_kept_storage(key_states)
+                take_kept_storage(self, key_states)
             self.ensure_usable()  # a forward left part-way: start over (if it began empty) or refuse
         layer = self.layers[layer_idx]
         if layer.is_initialized and layer.seq_len == 0 and not layer.storage.fits(key_states):
@@ -255,7 +245,7 @@ class FlexiCache(CacheAccounting, Cache):
             context, self.tp_size = check_served(self.profile, model_config, self.max_tokens)
             self._checked_config = model_config
             self.max_positions = fit_reserved(self, context)
-            self.context_reserved = self.max_positions is not None and self.max_positions != context
+            self.context_reserved = self.max_positions != context
 
     @property
     def is_compileable(self) -> bool:
@@ -294,9 +284,7 @@ class FlexiCache(CacheAccounting, Cache):
     def _rows(self, method: str, arg) -> None:
         """Beam reorder / batch selection / expansion (each row's newest page is found from the synchronised length)."""
         self.ensure_usable()
-        held = [layer.storage.batch for layer in self.layers if layer.is_initialized]
-        if held:  # checked before any layer takes it (rows.py); an empty cache holds no rows to change
-            arg = checked_rows(method, arg, held[0])
+        arg = checked_rows(method, arg, self.layers)  # before any layer takes it
         self.sync()
         getattr(super(), method)(arg)
 

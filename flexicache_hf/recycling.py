@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from .block_keeper import BLOCKS
+from .reserve import context_for
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,17 @@ def _unshared(layers: list) -> bool:
 
 
 KEEPER = StorageKeeper()  # one per process, like torch's caching allocators: kept storage is a resource
+
+
+def take_kept_storage(cache, key_states: torch.Tensor) -> None:
+    """At the first forward of a new ``cache``, before anything is allocated: take the storage of the last dropped
+    cache when it has this cache's shape and fits these states (any other kept storage is freed now)."""
+    kept = KEEPER.take(storage_key(cache), key_states, context_for(cache, key_states.device))
+    if kept is not None:
+        cache.layers[:] = kept.layers  # the same list and dict objects: this cache's finalizer holds them
+        cache.states.update(kept.states)
+        cache.reset()  # emptied in place, as reset() empties a sized cache
+        cache.storage_reused = True
 
 
 def release_storage() -> int:

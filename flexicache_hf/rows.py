@@ -12,10 +12,14 @@ from __future__ import annotations
 import torch
 
 
-def checked_rows(method: str, arg, batch: int):
-    """``arg`` of row operation ``method`` for a cache holding ``batch`` rows, as every layer takes it; raises
+def checked_rows(method: str, arg, layers: list):
+    """``arg`` of row operation ``method`` for a cache of ``layers``, as every layer takes it; raises
     (``TypeError``, ``ValueError``, ``IndexError``) on one it cannot apply, before anything changes.  Reads the
-    index on the host (a device index: one sync, as the layers' copies of the host tier read it anyway)."""
+    index on the host (a device index: one sync, as the layers' copies of the host tier read it anyway).  An empty
+    cache holds no rows: ``arg`` as given (its layers change nothing)."""
+    batch = next((layer.storage.batch for layer in layers if layer.is_initialized), None)
+    if batch is None:
+        return arg
     if method == "batch_repeat_interleave":
         if isinstance(arg, bool) or not isinstance(arg, int) or arg < 1:
             raise ValueError(f"batch_repeat_interleave takes a positive int number of repeats, got {arg!r}")
