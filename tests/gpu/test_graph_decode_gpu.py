@@ -136,12 +136,14 @@ def test_rows_reordered_between_compiled_calls_record_anew():
     ids = torch.randint(2, 90, (2, 300), device="cuda")
     mask = torch.ones_like(ids)
     prof = HeadProfile.from_unstable(cfg, [(0, 1)])
+    follow_up = torch.randint(2, 90, (2, 20), device="cuda")  # drawn once: both paths take the same turn
     outs = []
     for compiled in (False, True):
         cache = FlexiCache(prof, token_budget=64, page_size=16, max_cache_len=300 + 40 + 20 + 40,
                            model_config=model.config)
         first = generate(model, ids, mask, cache, 40, compiled)
         cache.batch_select_indices(torch.tensor([1, 0], device="cuda"))
-        turn = torch.cat([first.flip(0), torch.randint(2, 90, (2, 20), device="cuda")], 1)
-        outs.append(generate(model, turn, torch.ones_like(turn), cache, 40, compiled))
-    assert torch.equal(outs[0], outs[1])
+        turn = torch.cat([first.flip(0), follow_up], 1)
+        outs.append((first, generate(model, turn, torch.ones_like(turn), cache, 40, compiled)))
+    assert torch.equal(outs[0][0], outs[1][0]), "the first call's compiled tokens are not the eager path's"
+    assert torch.equal(outs[0][1], outs[1][1]), "after the reorder the compiled tokens are not the eager path's"
