@@ -87,8 +87,8 @@ class FlexiCacheConfig:
             the next R steps (one step later than the paper's order, whose loads wait before the attention).  A
             stable head between re-ranks then attends up to ``rerank_interval // page_size + 1`` pages since its
             selection (:attr:`max_recent_pages`).  The re-rank every head makes after a follow-up prompt chunk keeps
-            the paper's order.  ``False`` (the default, and the paper): re-rank, load, then attend. Needs ``offload=True``
-            (without offloading nothing loads).
+            the paper's order.  ``False`` (the default, and the paper): re-rank, load, then attend.  Needs
+            ``offload=True`` (without offloading nothing loads).
         keep_margin: ``m >= 0``: a stable head's re-rank keeps a page of its selection unless another page scores
             more than ``1 + m`` times it (the selected pages' scores are multiplied by ``1 + m`` before the top-K;
             ``group_score="mass"`` only, whose scores are attention masses).  Every page a stable head promotes
