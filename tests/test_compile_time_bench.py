@@ -18,3 +18,9 @@ def test_each_row_compiles_one_graph_and_reports_its_phases(tmp_path, capsys):
         assert phases["Scheduler.__init__"] > 0
     assert out["command"].endswith("--layers 1 --rows flexicache,static --json " + str(path))
     assert capsys.readouterr().out.startswith("JSON ")
+
+
+def test_the_unsized_row_compiles_the_readme_call_in_the_mode_given(tmp_path):
+    out = compile_time.main(["--layers", "1", "--rows", "flexicache-unsized", "--mode", "default"])
+    (row,) = out["rows"]
+    assert row["row"] == "flexicache-unsized" and row["graphs"] == 1 and row["mode"] == "default"

@@ -1,6 +1,7 @@
 """How long ``generate`` takes to compile its decode step: StaticCache against FlexiCache, phase by phase.
 
-    python -m flexicache_hf.bench.compile_time [--layers 32] [--rows static,flexicache] [--device cpu] [--json FILE]
+    python -m flexicache_hf.bench.compile_time [--layers 32] [--rows static,flexicache] [--device cpu] [--mode M]
+        [--json FILE]
 
 A Llama-3.1-8B-shaped model in its layer count and heads (32 layers, 32 query and 8 KV heads) but narrow (head
 dim 16, hidden 512; random weights), so the compile, not the weights, is what is measured and a CPU measures it
@@ -10,7 +11,12 @@ inductor, ``fullgraph=True`` (on the CPU generate compiles only when told, so ``
 
 * ``static``: ``StaticCache`` and SDPA (what transformers compiles for its users);
 * ``flexicache``: ``FlexiCache`` with the shipped defaults' scoring (8-token pages, group mass, shrink 0.5, the
-  unstable heads ranked exactly; a random 25 % profile), sized with ``max_cache_len``.
+  unstable heads ranked exactly; a random 25 % profile), sized with ``max_cache_len``;
+* ``flexicache-unsized``: the same without ``max_cache_len``, as the README's call (its storage reserved for the
+  model's context).
+
+``--mode reduce-overhead`` compiles as ``generate`` does on CUDA (CUDA graphs, cudagraph trees); the default
+(``None``) leaves the graphs out.
 
 Reports the wall time of the ``generate`` call (prompt, compile and 8 steps) and Dynamo's compile phases
 (``bench.generate``'s ``compile_phases``: ``_compile.compile_inner`` is the whole compile; ``Scheduler.__init__``
@@ -54,10 +60,11 @@ def narrow_row(row: str, layers: int, device: str, max_cache_len: int):
         return model, StaticCache(config=cfg, max_cache_len=max_cache_len), ids
     settings = FlexiCacheConfig(page_size=8, token_budget=128, group_score="mass", bound_shrink=0.5,
                                 unstable_group_score="exact")
-    return model, FlexiCache(HeadProfile.random(cfg), settings, model_config=cfg, max_cache_len=max_cache_len), ids
+    sized = dict(max_cache_len=max_cache_len) if row == "flexicache" else {}  # flexicache-unsized: the README's call
+    return model, FlexiCache(HeadProfile.random(cfg), settings, model_config=cfg, **sized), ids
 
 
-def run_row(row: str, layers: int, device: str) -> dict:
+def run_row(row: str, layers: int, device: str, mode: str | None = None) -> dict:
     """One row's compile, in this process (``main`` runs each in a fresh one)."""
     import torch
     from torch._dynamo.utils import counters
@@ -67,7 +74,9 @@ def run_row(row: str, layers: int, device: str) -> dict:
 
     new = 8
     model, cache, ids = narrow_row(row, layers, device, 512 + new)
-    cc = CompileConfig(backend="inductor", fullgraph=True, mode=None)
+    if not getattr(cache, "is_compileable", True):
+        raise SystemExit(f"{row}: this cache is not compileable here (an unsized one needs CUDA's virtual memory)")
+    cc = CompileConfig(backend="inductor", fullgraph=True, mode=mode)
     cc._compile_all_devices = True
     t0 = time.perf_counter()
     with torch.no_grad():
@@ -75,7 +84,7 @@ def run_row(row: str, layers: int, device: str) -> dict:
                        min_new_tokens=new, do_sample=False, compile_config=cc)
     wall = time.perf_counter() - t0
     phases = {k: round(v, 3) for k, v in compile_phases().items() if k in PHASES}
-    return {"row": row, "layers": layers, "device": device, "generate_s": round(wall, 3),
+    return {"row": row, "layers": layers, "device": device, "mode": mode, "generate_s": round(wall, 3),
             "graphs": int(counters["stats"]["unique_graphs"]), "phases": phases}
 
 
@@ -84,19 +93,22 @@ def main(argv=None) -> dict:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--rows", default="static,flexicache")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--mode", default=None, help="torch.compile mode (generate's own on CUDA: reduce-overhead, "
+                    "CUDA graphs); default None, inductor without graphs")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--row", default=None, help=argparse.SUPPRESS)  # a child's one row
     a = ap.parse_args(argv)
     if a.row is not None:
-        print("ROW " + json.dumps(run_row(a.row, a.layers, a.device)))
+        print("ROW " + json.dumps(run_row(a.row, a.layers, a.device, a.mode)))
         return {}
     rows = []
     for row in a.rows.split(","):
         with tempfile.TemporaryDirectory(prefix="flexicache-inductor-") as cache_dir:
             env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir, TORCHINDUCTOR_FX_GRAPH_CACHE="0",
                        TORCHINDUCTOR_AUTOGRAD_CACHE="0", TRITON_CACHE_DIR=os.path.join(cache_dir, "triton"))
+            mode = ["--mode", a.mode] if a.mode else []
             done = subprocess.run([sys.executable, "-m", __spec__.name, "--row", row, "--layers", str(a.layers),
-                                   "--device", a.device], env=env, capture_output=True, text=True, check=True)
+                                   "--device", a.device, *mode], env=env, capture_output=True, text=True, check=True)
         rows.append(json.loads(next(ln for ln in done.stdout.splitlines() if ln.startswith("ROW "))[4:]))
         print(f"{row}: generate {rows[-1]['generate_s']:.1f} s, compile "
               f"{rows[-1]['phases'].get('_compile.compile_inner', 0):.1f} s", file=sys.stderr)
