@@ -177,7 +177,7 @@ def describe(name: str) -> str:
 
 @canonical
 def tiny() -> EvalConfig:
-    """CPU smoke test on SmolLM2 (~17 min on 2 cores: accuracy/tiny-cpu): every task and family once.
+    """CPU smoke test on SmolLM2 (~17 min on 2 cores): every task and family once.
 
     One budget, one sample per task and no sweeps: a test of the whole pipeline on the real model, not a measurement.
     """
