@@ -55,7 +55,7 @@ def refuse_emptied_rows(cache, held: int, keep: int) -> None:
     layer = next(layer for layer in cache.layers if layer.is_initialized)
     if not layer.storage.padded:
         return
-    lead = (layer.storage.valid_lo - layer.origin).tolist()
+    lead = layer.left_padding()
     rows = [r for r, n in enumerate(lead) if keep <= n < held]
     if rows:
         least = max(n for n in lead if n < held) + 1

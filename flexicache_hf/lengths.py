@@ -16,11 +16,12 @@ def refuse_length(end: int, max_positions: int | None, max_tokens: int | None, r
     """Refuse (ValueError) ``end`` positions beyond the model's context or beyond ``max_cache_len``; ``reserved``:
     ``max_positions`` is the context the cache's storage was reserved for, below the model's
     (:func:`~flexicache_hf.reserve.fit_reserved`)."""
-    if reserved and max_positions is not None and end > max_positions:
-        raise ValueError(f"{end} tokens exceed the {max_positions} positions this cache's storage was reserved for "
-                         "(its profile's record of the model's context, taken before the cache saw the model's "
-                         "config); make the cache with model_config=model.config to reserve the model's context")
     if max_positions is not None and end > max_positions:
+        if reserved:
+            raise ValueError(f"{end} tokens exceed the {max_positions} positions this cache's storage was reserved "
+                             "for (its profile's record of the model's context, taken before the cache saw the "
+                             "model's config); make the cache with model_config=model.config to reserve the model's "
+                             "context")
         raise ValueError(f"{end} tokens exceed the model's context of {max_positions} positions (max_position_embeddings)")
     if max_tokens is not None and end > max_tokens:
         raise ValueError(f"{end} tokens exceed this cache's max_cache_len={max_tokens}; make the cache with a larger "

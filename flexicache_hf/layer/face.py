@@ -164,6 +164,10 @@ class FlexiCacheLayer(CacheLayerMixin):
         -> ``[B, Hq, D]``."""
         return decode.attend_token(self, query, scaling, GRAPH_PLAN)
 
+    def left_padding(self) -> list[int]:
+        """Each row's left padding (model positions), read on the host (one device read)."""
+        return (self.storage.valid_lo - self.origin).tolist()
+
     def check_padding(self, handle, mask2d: torch.Tensor | None, decode: bool = False, first: bool = True):
         """A chunk: each row's left padding from its 2D mask; refuses right padding or a changed padding.  A decode
         step (None): at the forward's ``first`` layer, refuses a token that would add left padding
@@ -267,9 +271,9 @@ class FlexiCacheLayer(CacheLayerMixin):
         s = self.storage
         s.select_rows(index, self.stored_end)
         if s.padded:  # the rows kept may have no padding, or none that holds only padding: as a prompt of them
-            lead = s.valid_lo - self.origin
-            s.padded = bool(lead.any())
-            s.open_padding = s.padded and bool((lead >= self.seq_len).any())
+            lead = self.left_padding()
+            s.padded = any(lead)
+            s.open_padding = s.padded and max(lead) >= self.seq_len
         self.reranker.select_rows(index)
         if self.spec.max_tokens is not None or self.storage.reserved is not None:
             self.mark_static()  # new buffers: a recorded decode graph records anew rather than replay onto the old
